@@ -1,0 +1,5 @@
+import sys
+
+from eaglenest.cli import main
+
+sys.exit(main())

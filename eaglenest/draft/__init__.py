@@ -1,0 +1,6 @@
+"""The EAGLE-3 draft head (model.py) and its reduced vocabulary (vocab.py)."""
+
+from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.vocab import build_vocab, check_vocab
+
+__all__ = ["DraftConfig", "Eagle3Draft", "build_vocab", "check_vocab"]

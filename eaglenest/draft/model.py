@@ -1,0 +1,278 @@
+"""The EAGLE-3 draft head, top to bottom in one file.
+
+A draft step at sequence index t takes two inputs:
+  * the embedding of a token (frozen, the target's own `embed_tokens`), and
+  * a hidden state: on the first step `fc([a_low ; a_mid ; a_high])`, the target's three aux
+    states fused 3H -> H; on later steps the draft's own previous output (pre-norm).
+It runs ONE Llama decoder layer whose attention projections read `[norm(embed) ; norm(hidden)]`
+(2H wide), and predicts the next token over a reduced draft vocabulary:
+
+    x   = cat(input_layernorm(embed), hidden_norm(hidden))          [.., 2H]
+    h1  = hidden + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+    h2  = h1 + mlp(post_attention_layernorm(h1))                    (fed back as next `hidden`)
+    logits = lm_head(norm(h2))                                      [.., draft_vocab]
+
+Draft id i means target id `i + d2t[i]`; `t2d[v]` says whether target id v is in the draft
+vocabulary.  The parameter names are exactly those of the portable checkpoint
+(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`) that both SGLang and vLLM load;
+`embed_tokens` is never exported (both engines use the target's).
+
+Attention supports the two patterns eaglenest needs without materializing a big mask:
+  * `past_kv` + `mask`: ordinary keys (a KV cache, or the whole sequence in training) with a
+    boolean mask [.., Tq, Tk] (causal in training, tree/chain ancestry when decoding);
+  * `diag_kv`: extra (K, V) pairs from earlier training-time-test steps, where query t sees
+    only key t of each ("each step attends to the same positions of earlier steps");
+    with `own_as_diag` a TTT step's own key joins them and `past_kv` (step 0's keys, causal
+    mask) is the whole ordinary context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary (embeddings, t2d)
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # capture-before convention (see eaglenest/capture/layers.py)
+    target_num_layers: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
+        """Copy the target's Llama fields (rope exactly as the target has it)."""
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        rope = getattr(tcfg, "rope_parameters", None)
+        if not rope:  # transformers < 5 style
+            rope = dict(getattr(tcfg, "rope_scaling", None) or {"rope_type": "default"})
+            rope["rope_theta"] = getattr(tcfg, "rope_theta", 10000.0)
+        rope = dict(rope)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        return cls(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads),
+            head_dim=head_dim,
+            vocab_size=tcfg.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
+            target_hidden_size=tcfg.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            target_num_layers=tcfg.num_hidden_layers,
+            rms_norm_eps=tcfg.rms_norm_eps,
+            hidden_act=getattr(tcfg, "hidden_act", "silu"),
+            max_position_embeddings=tcfg.max_position_embeddings,
+            rope_parameters=rope,
+            bos_token_id=getattr(tcfg, "bos_token_id", None),
+            eos_token_id=getattr(tcfg, "eos_token_id", None),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE with the target's exact rope parameters (transformers computes inv_freq for every rope_type)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        lcfg = LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=dict(cfg.rope_parameters),
+        )
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](lcfg, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scale)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [.., T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, heads, T, hd]; cos/sin [B, T, hd]
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        in_dim = 2 * cfg.hidden_size  # [embed ; hidden]
+        self.q_proj = nn.Linear(in_dim, self.n_head * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_kv=None, mask=None, diag_kv=(), own_as_diag=False):
+        """x [B, T, 2H]; mask [B or 1, T, Tk] bool (True = may attend) over the ordinary keys:
+        cat(past, new), or past alone when own_as_diag (then the new keys are diagonal)."""
+        B, T, _ = x.shape
+        g = self.n_head // self.n_kv
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        new_kv = (k, v)
+        if own_as_diag:
+            diag_kv = [*diag_kv, new_kv]
+            k, v = past_kv
+        elif past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        # grouped-query attention without copying K/V: queries as [B, kv, g, T, hd]
+        qg = q.view(B, self.n_kv, g, T, self.hd)
+        scale = 1.0 / math.sqrt(self.hd)
+        acc = torch.promote_types(q.dtype, torch.float32)  # softmax in >= fp32 (bf16 under autocast)
+        s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale  # [B, kv, g, T, Tk]
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, None], float("-inf"))
+        # earlier TTT steps: query t sees key t of each ([B, kv, g, T, 1] scores)
+        ds = [(qg * dk.unsqueeze(2)).sum(-1, keepdim=True).to(acc) * scale for dk, _ in diag_kv]
+        p = torch.softmax(torch.cat([s, *ds], dim=-1), dim=-1).to(v.dtype)
+        Tk = k.shape[2]
+        out = torch.matmul(p[..., :Tk], v.unsqueeze(2))
+        for i, (_, dv) in enumerate(diag_kv):
+            out = out + p[..., Tk + i : Tk + i + 1] * dv.unsqueeze(2)
+        out = out.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = {"silu": F.silu, "gelu": F.gelu}[cfg.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The single decoder layer (named `midlayer` in the checkpoint)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the incoming hidden
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, past_kv=None, mask=None, diag_kv=(), own_as_diag=False):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        a, new_kv = self.self_attn(x, cos, sin, past_kv, mask, diag_kv, own_as_diag)
+        h = hidden + a  # the residual is the un-normed hidden input (engines' default)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_kv
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        # frozen target embeddings; a buffer, so optimizers and exports never see it
+        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, H)
+        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    # --- pieces ---------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]."""
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None, diag_kv=(), own_as_diag=False):
+        """One draft forward. Returns (pre-norm hidden to feed back, this step's (K, V))."""
+        cos, sin = self.rotary(position_ids)
+        embeds = self.embed(input_ids).to(hidden.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, past_kv, mask, diag_kv, own_as_diag)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from a pre-norm hidden."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
+    def forward(self, input_ids, aux_hidden_states, position_ids=None):
+        """Step 0 over a whole sequence with a causal mask: logits [B, T, draft_vocab]."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]
+        h, _ = self.step(input_ids, self.fuse(aux_hidden_states), position_ids, mask=causal)
+        return self.logits(h)
+
+    def exported_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}

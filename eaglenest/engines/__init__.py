@@ -1,0 +1,33 @@
+"""Engines behind one narrow interface (base.Engine).  An engine is one module in this package
+exposing `NAME`, `add_arguments(parser)` and `create(args) -> Engine`; adding an engine touches
+that one file: the CLI discovers engines by scanning this package."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from eaglenest import EaglenestError
+
+_SKIP = {"base"}
+
+
+def engine_modules() -> dict:
+    mods = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in _SKIP or info.name.startswith("_"):
+            continue
+        try:
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+        except ImportError:
+            continue
+        if hasattr(mod, "create") and hasattr(mod, "NAME"):
+            mods[mod.NAME] = mod
+    return mods
+
+
+def get_engine_module(name: str):
+    mods = engine_modules()
+    if name not in mods:
+        raise EaglenestError(f"unknown engine '{name}' (available: {', '.join(sorted(mods))})")
+    return mods[name]

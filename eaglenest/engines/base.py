@@ -1,0 +1,93 @@
+"""The narrow interface every engine implements (transformers in-process, vLLM, SGLang).
+
+capture(): run the target on exactly these token ids and return, per sample, the ids the
+engine says it saw (checked against what was sent), the three aux states concatenated
+[T, 3H] (capture-before layer ids) and the final state [T, H] (flagged pre/post norm).
+generate(): continue prompts given as token ids (for `regenerate`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    id: str
+    input_ids: list[int]
+
+
+@dataclass
+class Captured:
+    id: str
+    input_ids: torch.Tensor  # what the engine reports it processed
+    aux_hidden_states: torch.Tensor  # [T, 3H]
+    last_hidden_state: torch.Tensor  # [T, H]
+
+
+@dataclass
+class Generated:
+    id: str
+    prompt_ids: list[int]  # echoed by the engine
+    output_ids: list[int]
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Failure:
+    id: str
+    reason: str  # short key for counting: timeout, http_5xx, token_mismatch, non_finite, ...
+    message: str = ""
+
+
+@dataclass
+class EngineInfo:
+    target: str
+    target_fingerprint: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    layer_ids: list[int]  # capture-before
+    final_norm: str  # "post" | "pre"
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abstractmethod
+    def capture(self, batch: list[Request]) -> list[Captured | Failure]: ...
+
+    def generate(
+        self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> list[Generated | Failure]:
+        raise NotImplementedError(f"engine {self.name} cannot generate")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_echo(sent: list[int], seen: list[int] | torch.Tensor, sid: str) -> Failure | None:
+    """Token-exactness: the engine must have processed exactly the ids we sent."""
+    seen_l = seen.tolist() if isinstance(seen, torch.Tensor) else list(seen)
+    if seen_l == list(sent):
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(sent, seen_l)) if a != b), min(len(sent), len(seen_l)))
+    return Failure(
+        sid,
+        "token_mismatch",
+        f"engine saw {len(seen_l)} ids, sent {len(sent)}; first difference at {first}: "
+        f"sent {list(sent)[first:first + 8]} seen {seen_l[first:first + 8]}",
+    )

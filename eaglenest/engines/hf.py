@@ -1,0 +1,147 @@
+"""In-process transformers engine (the default, and the one embedded in the other stages).
+
+Capture keeps only what EAGLE-3 needs: forward pre-hooks on the three aux decoder layers copy
+the residual stream *entering* them (= HF hidden_states[k], capture-before), and the base
+model's output is the post-norm final state; lm_head is never run and the other layers' states
+are never materialized.  On CUDA, states are shipped to pinned host buffers with non-blocking
+copies so the next batch's prefill overlaps the transfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglenest.capture.layers import parse_layer_ids
+from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request
+from eaglenest.models.target import load_target, resolve_model_path, target_fingerprint
+
+NAME = "hf"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, cuda:N or auto")
+    p.add_argument("--trust-remote-code", action="store_true", help="hf engine: allow custom model code")
+
+
+def create(args) -> "HFEngine":
+    return HFEngine(
+        args.model,
+        layers=getattr(args, "layers", "auto"),
+        dtype=getattr(args, "dtype", "bf16"),
+        device=getattr(args, "device", "auto"),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+    )
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return base.layers
+
+
+class HFEngine(Engine):
+    name = NAME
+
+    def __init__(self, model, layers="auto", dtype="bf16", device="auto", trust_remote_code=False, model_obj=None):
+        from eaglenest.utils import resolve_device
+
+        self.device = resolve_device(device)
+        self.path = resolve_model_path(model) if model_obj is None else model
+        self.model = model_obj if model_obj is not None else load_target(model, dtype, self.device, trust_remote_code)
+        cfg = self.model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.layer_ids = parse_layer_ids(layers, self.num_layers)
+        self.base = self.model.get_decoder()
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            decoder_layers(self.model)[k].register_forward_pre_hook(self._make_hook(k), with_kwargs=True)
+            for k in self.layer_ids
+        ]
+
+    def _make_hook(self, k: int):
+        def hook(module, args, kwargs):
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def info(self) -> EngineInfo:
+        cfg = self.model.config
+        return EngineInfo(
+            target=str(self.path),
+            target_fingerprint=target_fingerprint(self.path),
+            hidden_size=cfg.hidden_size,
+            num_layers=self.num_layers,
+            vocab_size=cfg.vocab_size,
+            layer_ids=self.layer_ids,
+            final_norm="post",  # LlamaModel applies the final norm to last_hidden_state
+        )
+
+    def _pad(self, seqs: list[list[int]]):
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        att = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            att[i, : len(s)] = 1
+        return ids.to(self.device), att.to(self.device)
+
+    @torch.inference_mode()
+    def forward_states(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded batch -> (aux [B, T, 3H], final post-norm [B, T, H]) on the model's device."""
+        ids, att = self._pad(seqs)
+        self._captured.clear()
+        out = self.base(input_ids=ids, attention_mask=att, use_cache=False)
+        aux = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return aux, out.last_hidden_state
+
+    def capture(self, batch: list[Request]) -> list[Captured | Failure]:
+        vocab = self.model.config.vocab_size
+        results: list[Captured | Failure | None] = [None] * len(batch)
+        ok = []
+        for i, r in enumerate(batch):
+            if not r.input_ids:
+                results[i] = Failure(r.id, "empty", "no tokens")
+            elif min(r.input_ids) < 0 or max(r.input_ids) >= vocab:
+                results[i] = Failure(r.id, "token_out_of_vocab", f"token id outside [0, {vocab})")
+            else:
+                ok.append(i)
+        if ok:
+            aux, last = self.forward_states([batch[i].input_ids for i in ok])
+            pinned = self.device.startswith("cuda")
+            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=pinned)
+            last_h = torch.empty(last.shape, dtype=last.dtype, pin_memory=pinned)
+            aux_h.copy_(aux, non_blocking=pinned)
+            last_h.copy_(last, non_blocking=pinned)
+            if pinned:
+                torch.cuda.current_stream().synchronize()
+            for j, i in enumerate(ok):
+                T = len(batch[i].input_ids)
+                results[i] = Captured(
+                    batch[i].id,
+                    torch.tensor(batch[i].input_ids),  # in-process: exactly what we ran
+                    aux_h[j, :T].clone(),
+                    last_h[j, :T].clone(),
+                )
+        return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
+        out = []
+        gen_cfg = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
+        if temperature > 0:
+            gen_cfg.update(temperature=temperature, top_p=1.0, top_k=0)
+        for r in batch:
+            torch.manual_seed(seed)
+            ids = torch.tensor([r.input_ids], device=self.device)
+            o = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_cfg)
+            new = o[0, ids.shape[1] :].tolist()
+            eos = self.model.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, list) else [eos])
+            reason = "stop" if new and new[-1] in eos else "length"
+            out.append(Generated(r.id, r.input_ids, new, reason))
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,435 @@
+"""The EAGLE-3 training loop, top to bottom: setup -> (resume) -> steps -> eval -> checkpoints.
+
+One optimizer step = `grad_accum` micro-batches (global, across ranks).  Each micro-batch's loss
+is normalized by the *global* token count of its step, and gradients are summed across ranks
+with one all-reduce, so N processes compute the same update as one process with the same global
+batch.  Run state (model, optimizer, scheduler, RNG, step) is checkpointed by rank 0; the data
+position is the step number (see data.py), so a resumed run replays exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglenest import EaglenestError
+from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
+from eaglenest.features import FeatureStore
+from eaglenest.train.data import Schedule, collate, split
+from eaglenest.train.ttt import Teacher, denominators, ttt_forward
+from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, atomic_write_json, progress, read_json
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    features: str
+    out: str
+    ttt_steps: int = 7
+    draft_vocab: int = 32000
+    epochs: float = 1.0
+    max_steps: int | None = None
+    lr: float = 1e-4
+    warmup_steps: int = 0  # 0: 3% of the run
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    batch_tokens: int = 4096
+    grad_accum: int = 1
+    max_len: int = 2048
+    eval_fraction: float = 0.02
+    eval_every: int = 0  # 0: ~10 times per run
+    eval_max_batches: int = 8
+    save_every: int = 0  # 0: only at the end
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    init_head: str = "target"  # target: lm_head rows + final norm copied from the target; random
+    resume: bool = False
+    log_every: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    if dist.is_available() and dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+
+def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
+    """Token frequencies under the loss mask, from the store itself (exactly the training data)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(store)):
+        e = store.entries[i]
+        h = store._open(e["shard"])
+        ids = h.get_tensor(f"{e['key']}.input_ids").long()
+        m = h.get_tensor(f"{e['key']}.loss_mask").bool()
+        counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from eaglenest.models.target import load_config, target_fingerprint
+        from eaglenest.models.weights import target_head
+        from eaglenest.utils import resolve_device
+
+        self.cfg = cfg
+        self.dist, self.rank, self.world = _dist()
+        self.out = Path(cfg.out)
+        self.device = resolve_device(cfg.device)
+        if self.device == "cuda" and self.world > 1:
+            self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(self.device)
+        self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
+
+        self.store = FeatureStore(cfg.features)
+        meta = self.store.meta
+        tcfg = load_config(cfg.model)
+        if meta.target_fingerprint != target_fingerprint(cfg.model) or meta.hidden_size != tcfg.hidden_size:
+            raise EaglenestError(
+                f"feature store {cfg.features} was captured from {meta.target} (hidden {meta.hidden_size}, "
+                f"{meta.num_layers} layers), not from {cfg.model} (hidden {tcfg.hidden_size}, {tcfg.num_hidden_layers} layers)"
+            )
+        if len(self.store) == 0:
+            raise EaglenestError(f"feature store {cfg.features} holds no samples")
+        head = target_head(cfg.model)
+
+        # draft vocabulary (rank 0 decides; others read it back for identical mapping)
+        self.out.mkdir(parents=True, exist_ok=True)
+        vocab_path = self.out / "vocab.safetensors"
+        if cfg.resume and vocab_path.exists():
+            from safetensors.torch import load_file
+
+            v = load_file(str(vocab_path))
+            d2t, t2d = v["d2t"], v["t2d"]
+        else:
+            eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
+            self.counts = vocab_counts(self.store, tcfg.vocab_size)
+            d2t, t2d = build_vocab(self.counts, cfg.draft_vocab, always=[e for e in eos if e is not None])
+        rows = draft_ids_to_target(d2t)
+
+        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids)
+        torch.manual_seed(cfg.seed)
+        self.model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
+        self._init_weights(head, rows, cfg.init_head)
+        self.model.set_vocab(d2t, t2d)
+        self.model.to(self.device)
+        self.teacher = Teacher(
+            norm_weight=head["norm"].float() if meta.final_norm == "pre" else None,
+            norm_eps=tcfg.rms_norm_eps,
+            lm_head=head["lm_head"].float(),
+            draft_rows=rows,
+            t2d=t2d,
+        ).to(self.device)
+
+        train_idx, self.eval_idx = split(self.store, cfg.eval_fraction)
+        self.schedule = Schedule(self.store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
+        self.eval_batches = Schedule(self.store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
+        spe = self.schedule.steps_per_epoch
+        self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
+        self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
+        self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
+        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_lambda(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
+        )
+        self.step = 0
+        self.n_train_tokens = sum(self.store.lengths()[i] for i in train_idx)
+        if self.rank == 0 and not cfg.resume:
+            from safetensors.torch import save_file
+
+            save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(vocab_path))
+        if cfg.resume:
+            self._load_latest()
+        if self.rank == 0:
+            atomic_write_json(
+                self.out / "config.json",
+                {
+                    "train": asdict(cfg),
+                    "draft": dcfg.to_dict(),
+                    "store": meta.to_dict(),
+                    "target": str(cfg.model),
+                    "n_train_samples": len(train_idx),
+                    "n_eval_samples": len(self.eval_idx),
+                    "n_train_tokens": self.n_train_tokens,
+                    "total_steps": self.total_steps,
+                    "steps_per_epoch": spe,
+                    "world_size": self.world,
+                    "draft_vocab_coverage": self._coverage(t2d),
+                },
+            )
+
+    # --- setup helpers ---------------------------------------------------------------------
+    def _init_weights(self, head, rows, how: str) -> None:
+        m = self.model
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+        if how == "target":
+            # start the output space where the target's is: its lm_head rows and final norm
+            with torch.no_grad():
+                m.lm_head.weight.copy_(head["lm_head"].float()[rows])
+                m.norm.weight.copy_(head["norm"].float())
+        elif how != "random":
+            raise EaglenestError(f"--init-head must be target or random (got {how})")
+
+    def _coverage(self, t2d) -> float | None:
+        c = getattr(self, "counts", None)
+        if c is None or c.sum() == 0:
+            return None
+        return float(c[t2d].sum() / c.sum())
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def _ckpt_dir(self, step: int) -> Path:
+        return self.out / "checkpoints" / f"step-{step:08d}"
+
+    def save(self) -> Path | None:
+        if self.rank != 0:
+            return None
+        from safetensors.torch import save_file
+
+        d = self._ckpt_dir(self.step)
+        tmp = d.with_name(d.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.exported_state_dict().items()}, str(tmp / "model.safetensors"))
+        import io
+
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": list(random.getstate()[1]),
+            },
+            buf,
+        )
+        atomic_write_bytes(tmp / "state.pt", buf.getvalue())
+        atomic_write_json(tmp / "trainer_state.json", {"step": self.step, "total_steps": self.total_steps})
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        os.replace(tmp, d)
+        atomic_write_json(self.out / "checkpoints" / "latest.json", {"step": self.step, "dir": d.name})
+        return d
+
+    def _load_latest(self) -> None:
+        from safetensors.torch import load_file
+
+        latest = self.out / "checkpoints" / "latest.json"
+        if not latest.exists():
+            return  # nothing to resume: start fresh
+        d = self.out / "checkpoints" / read_json(latest)["dir"]
+        sd = load_file(str(d / "model.safetensors"))
+        self.model.load_state_dict(sd, strict=False)
+        st = torch.load(d / "state.pt", weights_only=True)
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        torch.set_rng_state(st["torch_rng"])
+        random.setstate((3, tuple(st["python_rng"]), None))
+        self.step = read_json(d / "trainer_state.json")["step"]
+        if self.rank == 0:
+            print(f"resumed from {d} at step {self.step}", file=sys.stderr)
+
+    # --- one micro-batch -------------------------------------------------------------------
+    def _forward(self, idx: list[int], denom: torch.Tensor):
+        b = collate(self.store, idx, self.cfg.max_len)
+        dev = self.device
+        tlogp, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]))
+        B, T = b.input_ids.shape
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast and dev.startswith("cuda")):
+            loss, stats = ttt_forward(
+                self.model,
+                b.input_ids.to(dev),
+                b.aux.to(dev).float(),
+                tlogp.view(B, T, -1),
+                targ.view(B, T),
+                b.loss_mask.to(dev),
+                self.cfg.ttt_steps,
+                denom.to(dev),
+            )
+        return loss, stats, b.n_tokens
+
+    def _denoms(self, batches: list[list[int]]) -> torch.Tensor:
+        d = torch.zeros(self.cfg.ttt_steps)
+        for idx in batches:
+            d += denominators(collate_mask(self.store, idx, self.cfg.max_len), self.cfg.ttt_steps)
+        return d
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        if not self.eval_batches:
+            return None
+        self.model.eval()
+        tot = {"loss_sum": 0, "correct": 0, "count": 0, "loss_count": 0}
+        per = [dict(tot) for _ in range(self.cfg.ttt_steps)]
+        for idx in self.eval_batches:
+            denom = self._denoms([idx])
+            _, stats, _ = self._forward(idx, denom)
+            for j in range(self.cfg.ttt_steps):
+                for k in per[j]:
+                    per[j][k] += stats[k][j]
+        self.model.train()
+        return summarize(per)
+
+    # --- the loop --------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        self.model.train()
+        log_path = self.out / "metrics.jsonl"
+        if self.rank == 0 and not cfg.resume and log_path.exists():
+            log_path.unlink()
+        if self.rank == 0 and cfg.resume:
+            _truncate_log(log_path, self.step)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step") if self.rank == 0 else None
+        t_start, tok_seen = time.time(), 0
+        last_eval = None
+        while self.step < self.total_steps:
+            epoch, batches = self.schedule.step_batches(self.step)
+            denom = self._denoms(batches)
+            mine = [b for k, b in enumerate(batches) if k % self.world == self.rank]
+            self.opt.zero_grad(set_to_none=True)
+            agg = {"loss_sum": [0.0] * cfg.ttt_steps, "correct": [0.0] * cfg.ttt_steps, "count": [0.0] * cfg.ttt_steps, "loss_count": [0.0] * cfg.ttt_steps}
+            n_tok, loss_val = 0, 0.0
+            for idx in mine:
+                loss, stats, nt = self._forward(idx, denom)
+                loss.backward()
+                loss_val += float(loss.detach())
+                n_tok += nt
+                for k in agg:
+                    agg[k] = [a + s for a, s in zip(agg[k], stats[k])]
+            if self.world > 1:
+                loss_val, n_tok, agg = self._allreduce(params, loss_val, n_tok, agg)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            tok_seen += n_tok
+            if self.rank == 0:
+                rec = {"step": self.step, "epoch": epoch, "lr": self.sched.get_last_lr()[0], "loss": loss_val, "grad_norm": gnorm, "tokens": n_tok}
+                rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
+                rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
+                if self.step % self.eval_every == 0 or self.step == self.total_steps:
+                    last_eval = self.evaluate()
+                    if last_eval:
+                        rec.update(prefix_keys(last_eval, "eval_"))
+                append_jsonl_durable(log_path, [rec])
+                _tensorboard(self.out, rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save()
+        if bar:
+            bar.close()
+        final = self.save()
+        if self.rank == 0:
+            from eaglenest.train.plots import plot_run
+
+            plot_run(self.out)
+            atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval})
+        return {"step": self.step, "eval": last_eval, "checkpoint": final}
+
+    def _allreduce(self, params, loss_val, n_tok, agg):
+        dist = self.dist
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # losses are globally normalized: the SUM is the full-batch gradient
+        off = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[off : off + n].view_as(p).clone()
+            off += n
+        keys = list(agg)
+        stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64)
+        dist.all_reduce(stats)
+        s = stats.tolist()
+        T = self.cfg.ttt_steps
+        agg = {k: s[2 + i * T : 2 + (i + 1) * T] for i, k in enumerate(keys)}
+        return s[0], int(s[1]), agg
+
+
+def collate_mask(store: FeatureStore, idx: list[int], max_len: int) -> torch.Tensor:
+    """Only the loss masks of a micro-batch (cheap: no hidden states read)."""
+    masks = []
+    for i in idx:
+        e = store.entries[i]
+        masks.append(store._open(e["shard"]).get_tensor(f"{e['key']}.loss_mask")[:max_len].long())
+    T = max(m.numel() for m in masks)
+    out = torch.zeros(len(masks), T, dtype=torch.long)
+    for b, m in enumerate(masks):
+        out[b, : m.numel()] = m
+    return out
+
+
+def summarize(per: list[dict]) -> dict:
+    """Per-TTT-position loss/accuracy and the acceptance length they imply for chain drafting."""
+    loss = [p["loss_sum"] / max(1.0, p["loss_count"]) for p in per]
+    acc = [p["correct"] / max(1.0, p["count"]) for p in per]
+    tau, run = 1.0, 1.0
+    taus = []
+    for a in acc:  # tau(k) = 1 + sum_i prod_{j<=i} acc_j  (step accuracies as conditional acceptances)
+        run *= a
+        tau += run
+        taus.append(tau)
+    return {"loss": loss, "acc": acc, "expected_tau": taus}
+
+
+def prefix_keys(d: dict, p: str) -> dict:
+    return {p + k: v for k, v in d.items()}
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """On resume, drop log lines past the checkpoint (they will be recomputed identically)."""
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    keep = [r for r in rows if r["step"] <= step]
+    atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
+
+
+_TB = {}
+
+
+def _tensorboard(out: Path, rec: dict) -> None:
+    """Mirror scalars to tensorboard when it is installed (optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        return
+    w = _TB.get(out) or _TB.setdefault(out, SummaryWriter(str(out / "tb")))
+    for k, v in rec.items():
+        if isinstance(v, (int, float)):
+            w.add_scalar(k, v, rec["step"])
+        elif isinstance(v, list):
+            for j, x in enumerate(v):
+                w.add_scalar(f"{k}/{j}", x, rec["step"])

@@ -1,0 +1,147 @@
+"""Training-time test (TTT): the EAGLE-3 loss over k unrolled draft steps.
+
+Alignment (decided once, tested in tests/test_ttt.py against a slow reference):
+  sequence x_0..x_{T-1}, aux features f_t, teacher distribution P_q from the target's final
+  state at position q (it predicts x_{q+1}), loss mask m_q (1 on assistant tokens).
+  Step j at index t: input token x_{t+1+j} (ground truth), hidden = fuse(f_t) for j = 0 else the
+  draft's own step-(j-1) output at index t, rope position t+j; it predicts x_{t+2+j}, so
+  teacher = P_{t+1+j} and the loss mask is the *predicted* token's m_{t+2+j}
+  (we align the mask with the label instead of leaving it unshifted as SpecForge does: it trains
+  exactly the predictions whose answer is an assistant token, none of the prompt's).
+  Positions whose teacher argmax is outside the draft vocabulary get no loss (nothing to learn),
+  but still count as misses in the accuracy.
+  Attention at step j: causal over step-0 keys, plus key t of each earlier step (diagonal).
+  Per-step loss = sum(weight * softCE) / denominators[j]; total = sum_j 0.8^j * loss_j.
+
+The teacher is computed once per batch over the draft vocabulary (never the full-vocabulary
+probabilities per step); draft logits are produced and consumed chunk by chunk under activation
+checkpointing, so no [T, V] logits tensor is kept for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from eaglenest.draft.model import Eagle3Draft
+
+
+@dataclass
+class Teacher:
+    """The target's output head restricted to the draft vocabulary (frozen)."""
+
+    norm_weight: torch.Tensor | None  # applied iff the stored final state is pre-norm
+    norm_eps: float
+    lm_head: torch.Tensor  # [V, H] full target head (for the argmax)
+    draft_rows: torch.Tensor  # [Vd] target ids of the draft vocabulary
+    t2d: torch.Tensor  # [V] bool
+
+    def to(self, device) -> "Teacher":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d))
+
+    @torch.no_grad()
+    def targets(self, last_hidden: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+        """last_hidden [N, H] -> (teacher log-probs over the draft vocab [N, Vd] fp32, target argmax [N])."""
+        logp, arg = [], []
+        W = self.lm_head.float()
+        Wd = W[self.draft_rows]
+        for s in range(0, last_hidden.shape[0], chunk):
+            h = last_hidden[s : s + chunk].float()
+            if self.norm_weight is not None:
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
+            arg.append((h @ W.T).argmax(-1))  # full-vocab argmax, chunked so [chunk, V] is transient
+            logp.append(torch.log_softmax(h @ Wd.T, dim=-1))
+        return torch.cat(logp), torch.cat(arg)
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n] along dim 1, padding the end with `fill`."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_weights(loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt: int):
+    """Per-step (loss weight, accuracy weight) [B, T] for steps 0..ttt-1 (see module docstring)."""
+    out = []
+    for j in range(ttt):
+        m = shift_left(loss_mask, 2 + j).float()  # predicted token x_{t+2+j} is an assistant token
+        w = m * shift_left(in_draft, 1 + j).float()  # and the teacher's argmax is representable
+        out.append((w, m))
+    return out
+
+
+def denominators(loss_mask: torch.Tensor, ttt: int) -> torch.Tensor:
+    """Tokens that count for each step's loss normalizer (known before any forward)."""
+    return torch.stack([shift_left(loss_mask, 2 + j).float().sum() for j in range(ttt)])
+
+
+def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, tlogp: torch.Tensor, w: torch.Tensor):
+    logits = draft.logits(h)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -(tlogp.exp() * logp).sum(-1)
+    return (ce * w).sum(), logits.argmax(-1)
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,  # [B, T] int64
+    aux: torch.Tensor,  # [B, T, 3H]
+    teacher_logp: torch.Tensor,  # [B, T, Vd] fp32 (from Teacher.targets, reshaped)
+    teacher_argmax: torch.Tensor,  # [B, T] target ids
+    loss_mask: torch.Tensor,  # [B, T]
+    ttt: int,
+    denom: torch.Tensor,  # [ttt] normalizers (global over the optimizer step)
+    step_decay: float = 0.8,
+    chunk: int = 1024,
+    checkpoint_logits: bool = True,
+) -> tuple[torch.Tensor, dict]:
+    """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens)."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    pos = torch.arange(T, device=dev).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
+    in_draft = draft.t2d[teacher_argmax]
+    weights = step_weights(loss_mask, in_draft, ttt)
+    hidden = draft.fuse(aux)
+    past_diag: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ctx_kv = None
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    stats = {"loss_sum": [], "correct": [], "count": [], "loss_count": []}
+    for j in range(ttt):
+        tok = shift_left(input_ids, 1 + j)
+        if j == 0:
+            h, kv = draft.step(tok, hidden, pos, mask=causal)
+            ctx_kv = kv
+        else:  # step-0 keys causally, plus key t of every later step (its own included)
+            h, kv = draft.step(tok, hidden, pos + j, past_kv=ctx_kv, mask=causal, diag_kv=past_diag, own_as_diag=True)
+            past_diag.append(kv)
+        tl = shift_left(teacher_logp, 1 + j)
+        ta = shift_left(teacher_argmax, 1 + j, fill=-1)
+        w, m = weights[j]
+        loss_sum = h.new_zeros((), dtype=total.dtype)
+        correct = 0.0
+        Hf, tlf, wf, mf, taf = h.reshape(B * T, -1), tl.reshape(B * T, -1), w.reshape(-1), m.reshape(-1), ta.reshape(-1)
+        keep = (mf > 0).nonzero(as_tuple=True)[0]  # only positions that count: saves lm_head work
+        for s in range(0, keep.numel(), chunk):
+            idx = keep[s : s + chunk]
+            args = (Hf[idx], tlf[idx], wf[idx])
+            if checkpoint_logits and torch.is_grad_enabled():
+                ls, am = checkpoint(_chunk_loss, draft, *args, use_reentrant=False)
+            else:
+                ls, am = _chunk_loss(draft, *args)
+            loss_sum = loss_sum + ls
+            correct += float((draft.to_target_ids(am) == taf[idx]).float().mul(mf[idx]).sum())
+        total = total + (step_decay**j) * loss_sum / denom[j].clamp_min(1.0)
+        stats["loss_sum"].append(float(loss_sum.detach()))
+        stats["correct"].append(correct)
+        stats["count"].append(float(m.sum()))
+        stats["loss_count"].append(float(w.sum()))
+        hidden = h
+    return total, stats

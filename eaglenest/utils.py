@@ -1,0 +1,169 @@
+"""Small shared helpers: atomic files, hashing, failure accounting, progress bars."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from eaglenest import EaglenestError
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX needs the directory fsynced too)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write via temp file + fsync + rename so a kill never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_json(path: Path | str, what: str = "file") -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise EaglenestError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EaglenestError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def append_jsonl_durable(path: Path, rows: Iterable[dict]) -> None:
+    """Append whole lines and fsync: readers skip a torn last line (see read_jsonl_tolerant)."""
+    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl_tolerant(path: Path) -> list[dict]:
+    """Read a JSONL log written by append_jsonl_durable; a torn final line (kill mid-append) is ignored."""
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # only the last (unterminated) line may be torn
+                break
+            raise EaglenestError(f"{path}:{i + 1}: corrupt manifest line") from None
+    return rows
+
+
+def sha256_bytes(*chunks: bytes) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()
+
+
+def sha256_file(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class Failures:
+    """Counts and records every skipped or failed item, so nothing is lost silently.
+
+    `strict=True` turns the first recorded failure into an EaglenestError.
+    """
+
+    strict: bool = False
+    max_examples: int = 50
+    counts: Counter = field(default_factory=Counter)
+    examples: list[dict] = field(default_factory=list)
+
+    def record(self, reason: str, message: str, *, where: str = "", sample_id: str | None = None) -> None:
+        text = f"{where}: {message}" if where else message
+        if self.strict:
+            raise EaglenestError(text)
+        self.counts[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append({"reason": reason, "where": where, "id": sample_id, "message": message})
+        print(f"warning: {text}", file=sys.stderr)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> dict:
+        return {"total": self.total, "by_reason": dict(self.counts), "examples": self.examples}
+
+    def format(self, what: str = "samples") -> str:
+        if not self.total:
+            return f"0 {what} skipped or failed"
+        parts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
+        return f"{self.total} {what} skipped or failed ({parts})"
+
+
+def progress(total: int | None = None, desc: str = "", unit: str = "it", **kw):
+    """A tqdm bar on stderr (rate and ETA included); quiet when EAGLENEST_NO_PROGRESS is set."""
+    from tqdm.auto import tqdm
+
+    disable = bool(os.environ.get("EAGLENEST_NO_PROGRESS"))
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=disable, file=sys.stderr, **kw)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def resolve_device(device: str | None) -> str:
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EaglenestError(f"--device {device} requested but CUDA is not available")
+    return device

@@ -1,0 +1,49 @@
+"""Shared fixtures.  `smollm2` is the real target (fetched once per machine into the cache);
+`tiny_llama_dir` is a random-weight Llama for fast unit tests only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("EAGLENEST_NO_PROGRESS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """Path of the real SmolLM2-135M-Instruct HF checkpoint."""
+    from eaglenest.models.fetch import fetch
+
+    return fetch("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2) -> Path:
+    """An 8-layer random Llama (hidden 64) that shares SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(d)
+    return d

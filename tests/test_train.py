@@ -1,0 +1,148 @@
+"""Trainer behaviour on a tiny random target: resume equality, store/target mismatch, outputs;
+vocab mapping; the export contract and check-draft."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglenest import EaglenestError
+from eaglenest.draft.vocab import build_vocab, check_vocab, draft_ids_to_target, target_to_draft_index
+from eaglenest.train.trainer import TrainConfig, Trainer
+
+
+def fake_samples(n=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(16, 80, (1,), generator=g))
+        ids = torch.randint(3, 400, (T,), generator=g).tolist()
+        out.append(NS(id=f"s{i}", input_ids=ids, loss_mask=[0] * (T // 3) + [1] * (T - T // 3)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_llama_dir, tmp_path_factory):
+    from eaglenest.capture.run import run_capture
+    from eaglenest.engines.hf import HFEngine
+
+    out = tmp_path_factory.mktemp("feat")
+    with HFEngine(str(tiny_llama_dir), dtype="fp32", device="cpu") as e:
+        run_capture(e, fake_samples(), out, dtype="fp32", batch_tokens=512)
+    return out
+
+
+def cfg(tiny_llama_dir, store, out, **kw):
+    base = dict(model=str(tiny_llama_dir), features=str(store), out=str(out), ttt_steps=3, draft_vocab=500,
+                max_steps=8, lr=3e-3, batch_tokens=256, grad_accum=2, eval_fraction=0.2, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(run: Path):
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_uninterrupted_losses(tiny_llama_dir, tiny_store, tmp_path):
+    full = tmp_path / "full"
+    Trainer(cfg(tiny_llama_dir, tiny_store, full)).fit()
+    part = tmp_path / "part"
+    Trainer(cfg(tiny_llama_dir, tiny_store, part, max_steps=8, save_every=3)).fit()
+    # simulate a kill after the step-3 checkpoint: keep only that checkpoint and its log
+    import shutil
+
+    for d in (part / "checkpoints").glob("step-*"):
+        if d.name != "step-00000003":
+            shutil.rmtree(d)
+    (part / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "dir": "step-00000003"}))
+    Trainer(cfg(tiny_llama_dir, tiny_store, part, resume=True)).fit()
+    a, b = losses(full), losses(part)
+    assert len(a) == len(b) == 8
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    # different losses across steps (the test would be vacuous otherwise)
+    assert len({round(x, 6) for x in a}) > 4
+    for name in ("loss.png", "acc.png", "final.json", "vocab.safetensors"):
+        assert (full / name).exists()
+
+
+def test_training_reduces_heldout_loss(tiny_llama_dir, tiny_store, tmp_path):
+    r = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=25, eval_every=24, grad_accum=1)).fit()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x["eval_loss"][0] for x in rows if "eval_loss" in x]
+    assert len(evals) >= 2 and evals[-1] < evals[0]
+    assert r["eval"]["acc"][0] >= 0 and len(r["eval"]["expected_tau"]) == 3
+
+
+def test_store_from_another_target_is_rejected(smollm2, tiny_store, tmp_path):
+    with pytest.raises(EaglenestError, match="captured from"):
+        Trainer(TrainConfig(model=str(smollm2), features=str(tiny_store), out=str(tmp_path / "x"), device="cpu"))
+
+
+def test_vocab_mapping_round_trip():
+    counts = torch.tensor([0, 9, 3, 3, 0, 7, 1, 0, 5, 2])
+    d2t, t2d = build_vocab(counts, 5, always=[4])
+    tgt = draft_ids_to_target(d2t)
+    assert tgt.tolist() == sorted(tgt.tolist())
+    assert set(tgt.tolist()) == {1, 5, 8, 2, 4}  # top-4 by count (ties: lower id) + forced id 4
+    assert check_vocab(d2t, t2d) is None
+    inv = target_to_draft_index(t2d)
+    assert (draft_ids_to_target(d2t)[inv[tgt]] == tgt).all()
+    assert (inv[~t2d] == -1).all()
+    # fewer occurring tokens than K: deterministic fill by id
+    d2t2, _ = build_vocab(torch.zeros(10, dtype=torch.long), 3)
+    assert draft_ids_to_target(d2t2).tolist() == [0, 1, 2]
+    bad = d2t.clone()
+    bad[1] = bad[0] - 1  # duplicate target id
+    assert "increasing" in check_vocab(bad, t2d)
+
+
+def test_export_contract_and_check(tiny_llama_dir, tiny_store, tmp_path):
+    from eaglenest.cli import main
+    from eaglenest.export.check import check_draft
+
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=2)).fit()
+    out = tmp_path / "draft"
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+    assert c["draft_vocab_size"] == 500 and c["vocab_size"] == 49152 and c["tie_word_embeddings"] is False
+    assert c["max_position_embeddings"] >= 2048 and c["rope_theta"] == 10000.0
+    assert "eagle_aux_hidden_state_layer_ids" not in c  # canonical ids [2, 4, 5]: left to the engines
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    H = 64
+    assert keys == {
+        "fc.weight": ((H, 3 * H), "BF16"),
+        "midlayer.input_layernorm.weight": ((H,), "BF16"),
+        "midlayer.hidden_norm.weight": ((H,), "BF16"),
+        "midlayer.post_attention_layernorm.weight": ((H,), "BF16"),
+        "midlayer.self_attn.q_proj.weight": ((64, 2 * H), "BF16"),
+        "midlayer.self_attn.k_proj.weight": ((32, 2 * H), "BF16"),
+        "midlayer.self_attn.v_proj.weight": ((32, 2 * H), "BF16"),
+        "midlayer.self_attn.o_proj.weight": ((H, 64), "BF16"),
+        "midlayer.mlp.gate_proj.weight": ((128, H), "BF16"),
+        "midlayer.mlp.up_proj.weight": ((128, H), "BF16"),
+        "midlayer.mlp.down_proj.weight": ((H, 128), "BF16"),
+        "norm.weight": ((H,), "BF16"),
+        "lm_head.weight": ((500, H), "BF16"),
+        "d2t": ((500,), "I64"),
+        "t2d": ((49152,), "BOOL"),
+    }
+    assert check_draft(out, tiny_llama_dir) == ([], [])
+    # a draft checked against the wrong target fails loudly, naming the reason
+    errors, _ = check_draft(out, "smollm2")
+    assert any("another target" in e for e in errors)
+    assert main(["check-draft", str(out), "--model", "smollm2"]) == 1
+    # a tampered mapping is caught
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(out / "model.safetensors"))
+    sd["t2d"][int(draft_ids_to_target(sd["d2t"])[0])] = False
+    sd["embed_tokens.weight"] = torch.zeros(3, 3)
+    save_file(sd, str(out / "model.safetensors"))
+    errors, _ = check_draft(out, tiny_llama_dir)
+    assert any("t2d" in e for e in errors) and any("embed_tokens" in e for e in errors)
