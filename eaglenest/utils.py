@@ -127,7 +127,9 @@ class Failures:
         self.counts[reason] += 1
         if len(self.examples) < self.max_examples:
             self.examples.append({"reason": reason, "where": where, "id": sample_id, "message": message})
-        print(f"warning: {text}", file=sys.stderr)
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"warning: {text}", file=sys.stderr)  # through tqdm: keeps a live progress bar intact
 
     @property
     def total(self) -> int:

@@ -47,3 +47,13 @@ def tiny_llama_dir(tmp_path_factory, smollm2) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(d)
     AutoTokenizer.from_pretrained(smollm2).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def smol_data(tmp_path_factory, smollm2) -> Path:
+    """24 real ShareGPT conversations prepared for SmolLM2 (max 256 tokens)."""
+    from eaglenest.data import prepare
+
+    out = tmp_path_factory.mktemp("smol_data")
+    prepare(model=str(smollm2), data=["sharegpt:"], out=out, max_length=256, limit=24, verbose=False)
+    return out

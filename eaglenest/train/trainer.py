@@ -54,6 +54,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     init_head: str = "target"  # target: lm_head rows + final norm copied from the target; random
+    freeze_head: bool = False  # keep lm_head at its (target) init: ~1.7x faster steps on CPU
     resume: bool = False
     log_every: int = 1
     extra: dict = field(default_factory=dict)
@@ -103,6 +104,7 @@ class Trainer:
             self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(self.device)
         self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
+        self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"
 
         self.store = FeatureStore(cfg.features)
         meta = self.store.meta
@@ -134,6 +136,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
         self._init_weights(head, rows, cfg.init_head)
+        if cfg.freeze_head:
+            if cfg.init_head != "target":
+                raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
+            self.model.lm_head.weight.requires_grad_(False)
         self.model.set_vocab(d2t, t2d)
         self.model.to(self.device)
         self.teacher = Teacher(
@@ -151,8 +157,9 @@ class Trainer:
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
         self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,
@@ -266,7 +273,7 @@ class Trainer:
         dev = self.device
         tlogp, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]))
         B, T = b.input_ids.shape
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast and dev.startswith("cuda")):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
             loss, stats = ttt_forward(
                 self.model,
                 b.input_ids.to(dev),
@@ -276,6 +283,7 @@ class Trainer:
                 b.loss_mask.to(dev),
                 self.cfg.ttt_steps,
                 denom.to(dev),
+                checkpoint_logits=self.device_type == "cuda",  # GPU memory is the limit; CPU RAM is not
             )
         return loss, stats, b.n_tokens
 
