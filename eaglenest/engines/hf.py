@@ -125,21 +125,51 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
-        out = []
-        gen_cfg = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
-        if temperature > 0:
-            gen_cfg.update(temperature=temperature, top_p=1.0, top_k=0)
-        for r in batch:
-            torch.manual_seed(seed)
-            ids = torch.tensor([r.input_ids], device=self.device)
-            o = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_cfg)
-            new = o[0, ids.shape[1] :].tolist()
-            eos = self.model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos])
-            reason = "stop" if new and new[-1] in eos else "length"
-            out.append(Generated(r.id, r.input_ids, new, reason))
-        return out
+    def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0, max_batch: int = 32):
+        """Batched generation (left-padded, KV cache): our own loop, because transformers'
+        `generate` ran ~20x slower than the plain forward on this CPU (bf16, padded batch)."""
+        eos = self.model.generation_config.eos_token_id
+        eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        out: list[Generated | None] = [None] * len(batch)
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i].input_ids))  # similar lengths pad less
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for c in range(0, len(order), max_batch):
+            idx = order[c : c + max_batch]
+            gens = self._generate_padded([batch[i].input_ids for i in idx], max_new_tokens, temperature, eos, g)
+            for i, new in zip(idx, gens):
+                stopped = bool(new) and new[-1] in eos
+                out[i] = Generated(batch[i].id, list(batch[i].input_ids), new, "stop" if stopped else "length")
+        return out  # type: ignore[return-value]
+
+    def _generate_padded(self, prompts, max_new_tokens, temperature, eos, g):
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        att = torch.zeros(B, T, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, T - len(p) :] = torch.tensor(p)
+            att[r, T - len(p) :] = 1
+        ids, att = ids.to(self.device), att.to(self.device)
+        pos = (att.cumsum(-1) - 1).clamp_min(0)
+        eos_t = torch.tensor(eos or [-1], device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        new: list[list[int]] = [[] for _ in range(B)]
+        cache, step_ids = None, ids
+        for _ in range(max_new_tokens):
+            o = self.model(input_ids=step_ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = o.past_key_values, o.logits[:, -1].float()
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g).squeeze(1)
+            else:
+                nxt = logits.argmax(-1)
+            for r in (~done).nonzero(as_tuple=True)[0].tolist():
+                new[r].append(int(nxt[r]))
+            done |= torch.isin(nxt, eos_t)
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None]
+            att = torch.cat([att, torch.ones(B, 1, dtype=att.dtype, device=att.device)], 1)
+            pos = pos[:, -1:] + 1
+        return new
 
     def close(self) -> None:
         for h in self._hooks:

@@ -55,6 +55,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     init_head: str = "target"  # target: lm_head rows + final norm copied from the target; random
     freeze_head: bool = False  # keep lm_head at its (target) init: ~1.7x faster steps on CPU
+    fc_init: str = "scaled"  # scaled: fc columns divided by the aux features' RMS (see _init_fc); random
     resume: bool = False
     log_every: int = 1
     extra: dict = field(default_factory=dict)
@@ -136,6 +137,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
         self._init_weights(head, rows, cfg.init_head)
+        self._init_fc(cfg.fc_init)
         if cfg.freeze_head:
             if cfg.init_head != "target":
                 raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
@@ -207,6 +209,28 @@ class Trainer:
                 m.norm.weight.copy_(head["norm"].float())
         elif how != "random":
             raise EaglenestError(f"--init-head must be target or random (got {how})")
+
+    @torch.no_grad()
+    def _init_fc(self, how: str, n_samples: int = 32) -> None:
+        """Targets have massive activations (SmolLM2: a few dims of layer 15/27 reach 10^2-10^4), so
+        a plain N(0, 0.02) fc lets those dims dominate the draft's residual stream and its output,
+        and hundreds of steps go into unlearning them.  Dividing each input column by its RMS over
+        a few samples is the same architecture with whitened inputs (a pure re-parametrization of
+        the initial point); the first token (attention sink) is left out of the statistics."""
+        if how == "random":
+            return
+        if how != "scaled":
+            raise EaglenestError(f"--fc-init must be scaled or random (got {how})")
+        acc, n = None, 0
+        for i in range(min(n_samples, len(self.store))):
+            a = self.store[i]["aux_hidden_states"][1:].float()
+            acc = a.pow(2).sum(0) if acc is None else acc + a.pow(2).sum(0)
+            n += a.shape[0]
+        if not n:
+            return
+        rms = (acc / n).sqrt().clamp_min(1e-3)
+        fc = self.model.fc.weight
+        fc.copy_(torch.randn_like(fc) * (1.0 / fc.shape[1]) ** 0.5 / rms.to(fc))
 
     def _coverage(self, t2d) -> float | None:
         c = getattr(self, "counts", None)

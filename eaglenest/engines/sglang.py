@@ -1,0 +1,676 @@
+"""The SGLang engine: a client of SGLang's native `POST /generate` (targets SGLang 0.5.23).
+
+SGLang is not started here (it needs CUDA kernels); the engine talks HTTP to running servers given
+with `--sglang-url` (repeatable).  Facts below were read in SGLang 0.5.23's published source (the
+PyPI wheel; see docs/sglang.md for files and functions).
+
+Requests (`GenerateReqInput`, sglang/srt/managers/io_struct.py): always the batch form --
+`input_ids` as a list of lists, `rid` and `extra_key` as lists of unique strings (a unique
+`extra_key` isolates each sample's radix-cache namespace, so every prompt is fully prefilled),
+`sampling_params` one dict, `return_prompt_token_ids: true` (the response then echoes the prompt ids
+under the top-level `prompt_token_ids`), and `return_hidden_states: true` where the mode uses it.
+`prompt_token_ids` is never sent: it is a response field only.  Every response is checked:
+`meta_info.id` must be the rid sent, `meta_info.prompt_tokens` must equal the number of ids sent and
+the echoed `prompt_token_ids` must equal them (else the sample fails with `token_mismatch`).
+
+Capture modes (`--sglang-mode`):
+  * `plugin` (default): the server runs eaglenest's capture plugin (`eaglenest sglang-plugin
+    install`), which writes one safetensors file per request and prefill chunk into a staging
+    directory shared with this process (`--sglang-staging`, default /dev/shm/eaglenest).  A capture
+    request generates 1 token (max_new_tokens=1, temperature 0, like SpecForge); the client then
+    collects the rid's files, checks that the chunks cover the prompt from token 0 (a radix-cache
+    hit would start later: `prefix_cached`), that the stored input ids equal the ids sent and the
+    layer ids equal the engine's, loads them (safetensors, never pickle) and deletes them.
+  * `stock`: an unmodified server started with `--enable-return-hidden-states` returns, in
+    `meta_info.hidden_states`, the *post-norm final* state only (JSON floats).  It cannot fill the
+    three aux states: capture in this mode needs `--sglang-aux-url` servers started with
+    `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
+    --return-aux-hidden-state-layer-ids` (0.5.23), whose `hidden_states` are the aux concat
+    [T, 3H] instead; each sample then costs one request to each kind of server.  Without aux
+    servers, capture stops with an error saying so.  Generation (regenerate) works in both modes.
+
+Requests are spread round-robin over the URLs, at most `--sglang-concurrency` in flight, batched
+`--sglang-batch` samples per request; timeouts, 5xx and connection errors are retried with
+exponential backoff (a fresh rid per attempt), then the samples fail with the reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from eaglenest import EaglenestError
+from eaglenest.capture.layers import parse_layer_ids
+from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
+
+NAME = "sglang"
+TARGET_SGLANG_VERSION = plugin.TARGET_SGLANG_VERSION
+MODES = ("plugin", "stock")
+CAPTURE_RID_PREFIX = plugin.DEFAULT_RID_PREFIX  # the plugin only observes rids with this prefix
+GENERATE_RID_PREFIX = "eaglenest-gen-"
+CAPTURE_MAX_NEW_TOKENS = 1  # 0 also prefills on 0.5.23 (Req.is_prefill_only), 1 works on every version
+
+# the GenerateReqInput fields this client sends (all present in SGLang 0.5.23)
+REQUEST_FIELDS = ("input_ids", "sampling_params", "rid", "extra_key", "return_hidden_states", "return_prompt_token_ids")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "skip_special_tokens", "sampling_seed")
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--sglang-url", action="append", default=None, metavar="URL",
+                   help="sglang engine: base URL of a running SGLang server (repeatable; requests are spread over them)")
+    p.add_argument("--sglang-mode", choices=MODES, default="plugin",
+                   help="sglang engine: 'plugin' = the server runs eaglenest's capture plugin (full EAGLE-3 features); "
+                   "'stock' = unmodified servers (--enable-return-hidden-states: final state only; capture also needs "
+                   "--sglang-aux-url)")
+    p.add_argument("--sglang-aux-url", action="append", default=None, metavar="URL",
+                   help="sglang engine, stock mode: servers started with --enable-return-aux-hidden-states "
+                   "--speculative-algorithm EAGLE3 (they return the aux concat instead of the final state)")
+    p.add_argument("--sglang-staging", default=plugin.DEFAULT_DIR, metavar="DIR",
+                   help="sglang engine, plugin mode: the plugin's staging directory (the server's "
+                   "EAGLENEST_SGLANG_CAPTURE_DIR; must be readable from here)")
+    p.add_argument("--sglang-concurrency", type=int, default=4, metavar="N", help="sglang engine: requests in flight at once")
+    p.add_argument("--sglang-batch", type=int, default=8, metavar="N", help="sglang engine: samples per /generate request")
+    p.add_argument("--sglang-timeout", type=float, default=600.0, metavar="S", help="sglang engine: seconds per request")
+    p.add_argument("--sglang-retries", type=int, default=3, metavar="N",
+                   help="sglang engine: retries (exponential backoff) after a timeout, 5xx or connection error")
+    p.add_argument("--sglang-dump-timeout", type=float, default=60.0, metavar="S",
+                   help="sglang engine, plugin mode: seconds to wait for a request's staging files after its response")
+    p.add_argument("--sglang-skip-preflight", action="store_true",
+                   help="sglang engine: do not check /server_info (version, prefill CUDA graph, ...) before capturing")
+
+
+def create(args) -> "SGLangEngine":
+    urls = getattr(args, "sglang_url", None) or []
+    if not urls:
+        raise EaglenestError("--engine sglang needs --sglang-url URL (a running SGLang server; see docs/sglang.md)")
+    return SGLangEngine(
+        args.model,
+        urls=urls,
+        layers=getattr(args, "layers", "auto"),
+        mode=getattr(args, "sglang_mode", "plugin"),
+        aux_urls=getattr(args, "sglang_aux_url", None) or [],
+        staging=getattr(args, "sglang_staging", plugin.DEFAULT_DIR),
+        concurrency=getattr(args, "sglang_concurrency", 4),
+        batch=getattr(args, "sglang_batch", 8),
+        timeout=getattr(args, "sglang_timeout", 600.0),
+        retries=getattr(args, "sglang_retries", 3),
+        dump_timeout=getattr(args, "sglang_dump_timeout", 60.0),
+        preflight=not getattr(args, "sglang_skip_preflight", False),
+    )
+
+
+# --------------------------------------------------------------------------------------- HTTP
+
+
+class RequestFailed(Exception):
+    def __init__(self, reason: str, message: str, status: int | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status
+
+
+class Client:
+    """httpx over several base URLs (round-robin) with retries: exponential backoff + jitter after
+    a timeout, a 5xx or a connection error.  4xx is final."""
+
+    def __init__(self, urls: list[str], *, timeout: float, retries: int, concurrency: int = 4, backoff: float = 0.5):
+        import httpx
+
+        if not urls:
+            raise EaglenestError("no SGLang URL given")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.retries = max(0, int(retries))
+        self.backoff = backoff
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
+                                 limits=httpx.Limits(max_connections=max(4, 2 * concurrency)))
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def next_url(self) -> str:
+        with self._lock:
+            return self.urls[next(self._rr) % len(self.urls)]
+
+    def request(self, method: str, path: str, payload=None, *, url: str | None = None, make_payload=None):
+        """JSON response of the first successful attempt.  `make_payload(attempt)` builds a fresh
+        payload per attempt (new rids), else `payload` is re-sent."""
+        import httpx
+
+        last = RequestFailed("unknown", "no attempt made")
+        for attempt in range(self.retries + 1):
+            base = url or self.next_url()
+            body = make_payload(attempt) if make_payload is not None else payload
+            try:
+                r = self.http.request(method, base + path, json=body)
+                if r.status_code >= 500:
+                    last = RequestFailed("http_5xx", f"{base}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
+                elif r.status_code >= 400:
+                    text = r.text[:500]
+                    low = text.lower()
+                    reason = "too_long" if ("context length" in low or "too long" in low or "max_model_len" in low
+                                            or "exceeds" in low) else f"http_{r.status_code}"
+                    raise RequestFailed(reason, f"{base}{path}: HTTP {r.status_code}: {text}", r.status_code)
+                else:
+                    try:
+                        return r.json()
+                    except (json.JSONDecodeError, ValueError):
+                        raise RequestFailed("bad_response", f"{base}{path}: response is not JSON: {r.text[:200]}") from None
+            except httpx.TimeoutException as e:
+                last = RequestFailed("timeout", f"{base}{path}: timed out ({type(e).__name__})")
+            except httpx.TransportError as e:
+                last = RequestFailed("connection", f"{base}{path}: {type(e).__name__}: {e}")
+            if attempt < self.retries:
+                time.sleep(min(8.0, self.backoff * 2**attempt) * (0.5 + random.random()))
+        last.message += f" (after {self.retries + 1} attempts)"
+        raise last
+
+    def get_json(self, path: str, url: str) -> dict:
+        return self.request("GET", path, url=url)
+
+
+# ----------------------------------------------------------------------------------- payloads
+
+
+def generate_payload(ids: list[list[int]], rids: list[str], sampling: dict, *, extra_keys: list[str] | None = None,
+                     return_hidden_states: bool = False) -> dict:
+    """A batched `/generate` body (field names exactly as in GenerateReqInput, SGLang 0.5.23)."""
+    if not ids or len(ids) != len(rids) or len(set(rids)) != len(rids):
+        raise ValueError("one unique rid per sample")
+    body = {"input_ids": [list(map(int, x)) for x in ids], "rid": list(rids), "sampling_params": dict(sampling),
+            "return_prompt_token_ids": True}
+    if extra_keys is not None:
+        if len(extra_keys) != len(ids):
+            raise ValueError("one extra_key per sample")
+        body["extra_key"] = list(extra_keys)
+    if return_hidden_states:
+        body["return_hidden_states"] = True
+    return body
+
+
+def capture_sampling() -> dict:
+    return {"max_new_tokens": CAPTURE_MAX_NEW_TOKENS, "temperature": 0.0}
+
+
+def generate_sampling(max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int]) -> dict:
+    s = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": 1.0,
+         "skip_special_tokens": False}
+    if stop_ids:
+        s["stop_token_ids"] = [int(t) for t in stop_ids]
+    if temperature > 0:
+        s["sampling_seed"] = int(seed)
+    return s
+
+
+def response_items(resp, n: int) -> list[dict]:
+    """The per-sample outputs of a batched /generate (a list, in request order)."""
+    if isinstance(resp, dict):
+        resp = [resp]
+    if not isinstance(resp, list) or len(resp) != n or not all(isinstance(x, dict) for x in resp):
+        raise RequestFailed("bad_response", f"expected a list of {n} outputs, got {type(resp).__name__}"
+                            f"{f' of {len(resp)}' if isinstance(resp, list) else ''}")
+    return resp
+
+
+def check_item(item: dict, rid: str, sent: list[int], sid: str) -> Failure | None:
+    """The server must report this rid and exactly the prompt that was sent."""
+    meta = item.get("meta_info") or {}
+    if meta.get("id") not in (None, rid):
+        return Failure(sid, "bad_response", f"response is for request {meta.get('id')!r}, expected {rid!r}")
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict) and fr.get("type") == "abort":
+        return Failure(sid, "aborted", f"server aborted the request: {fr.get('message')}")
+    pt = meta.get("prompt_tokens")
+    if pt is None:
+        return Failure(sid, "bad_response", "meta_info has no prompt_tokens")
+    if int(pt) != len(sent):
+        return Failure(sid, "token_mismatch", f"server reports {pt} prompt tokens, {len(sent)} were sent")
+    echoed = item.get("prompt_token_ids")
+    if echoed is not None and (bad := check_echo(sent, echoed, sid)) is not None:
+        return bad
+    return None
+
+
+def hidden_rows(item: dict):
+    """`meta_info.hidden_states` of a stock server -> float32 tensor [rows, width].  0.5.23 appends
+    one 2-D block [n, H] per prefill chunk, then one row per generated token."""
+    import torch
+
+    hs = (item.get("meta_info") or {}).get("hidden_states")
+    if not hs:
+        return None
+    blocks = []
+    for el in hs:
+        if el and isinstance(el[0], (list, tuple)):
+            blocks.append(torch.tensor(el, dtype=torch.float32))
+    return torch.cat(blocks, 0) if blocks else None
+
+
+def finish(sid: str, prompt: list[int], item: dict, eos_ids: list[int]) -> Generated | Failure:
+    out = [int(t) for t in (item.get("output_ids") or [])]
+    fr = (item.get("meta_info") or {}).get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind == "abort":
+        return Failure(sid, "aborted", f"server aborted the request: {fr.get('message') if isinstance(fr, dict) else fr}")
+    if kind == "stop":
+        matched = fr.get("matched") if isinstance(fr, dict) else None
+        tok = matched if isinstance(matched, int) else (eos_ids[0] if eos_ids else None)
+        if tok is not None and (not out or out[-1] not in set(eos_ids) | {tok}):
+            out.append(tok)  # a turn ended by a stop token always ends with it
+        return Generated(sid, list(prompt), out, "stop")
+    return Generated(sid, list(prompt), out, "length")
+
+
+def find_key(obj, key: str):
+    """First value of `key` anywhere in nested dicts (/server_info nests some records)."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            r = find_key(v, key)
+            if r is not None:
+                return r
+    return None
+
+
+def preflight_problems(info: dict, mode: str) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about a server's /server_info for capture in `mode`."""
+    errors, warnings = [], []
+    version = info.get("version")
+    if version != TARGET_SGLANG_VERSION:
+        warnings.append(f"server runs SGLang {version}, eaglenest targets {TARGET_SGLANG_VERSION}")
+    if (find_key(info, "pp_size") or 1) > 1:
+        errors.append("pp_size > 1: capture needs pipeline parallelism off")
+    if find_key(info, "enable_dp_attention"):
+        errors.append("DP attention is on: the plugin writes from TP rank 0 only")
+    if mode == "plugin":
+        cg = find_key(info, "cuda_graph_config")
+        backend = (cg or {}).get("prefill", {}).get("backend") if isinstance(cg, dict) else find_key(info, "cuda_graph_backend_prefill")
+        if backend not in (None, "disabled"):
+            errors.append(f"prefill CUDA graph backend is {backend!r}: a replayed graph runs no Python hooks; "
+                          "launch with --cuda-graph-backend-prefill disabled")
+        if find_key(info, "enable_two_batch_overlap"):
+            warnings.append("two-batch overlap is on: DeepseekV2 aux layers under TBO cannot be observed (those samples fail)")
+    else:
+        if not (find_key(info, "enable_return_hidden_states") or find_key(info, "return_hidden_states_mode") == "full"):
+            errors.append("the server was not started with --enable-return-hidden-states")
+    return errors, warnings
+
+
+# ------------------------------------------------------------------------------------- engine
+
+
+def model_config(model_path: Path) -> dict:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EaglenestError(f"cannot read {model_path}/config.json: {e}") from None
+    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+
+def eos_token_ids(model_path: Path) -> list[int]:
+    """End-of-sequence ids from generation_config.json (else config.json): the stop tokens."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        try:
+            v = json.loads(f.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        ids = [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)]
+        if ids:
+            return list(dict.fromkeys(ids))
+    return []
+
+
+class SGLangEngine(Engine):
+    name = NAME
+
+    def __init__(self, model, *, urls, layers="auto", mode="plugin", aux_urls=(), staging=plugin.DEFAULT_DIR,
+                 concurrency=4, batch=8, timeout=600.0, retries=3, dump_timeout=60.0, preflight=True, backoff=0.5):
+        from eaglenest.models.target import resolve_model_path
+
+        if mode not in MODES:
+            raise EaglenestError(f"--sglang-mode must be one of {MODES} (got {mode!r})")
+        self.path = resolve_model_path(model)
+        cfg = model_config(self.path)
+        self.num_layers = int(cfg["num_hidden_layers"])
+        self.hidden_size = int(cfg["hidden_size"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.layer_ids = parse_layer_ids(layers, self.num_layers)
+        self.eos_ids = eos_token_ids(self.path)
+        self.mode = mode
+        self.staging = Path(staging)
+        self.concurrency = max(1, int(concurrency))
+        self.batch = max(1, int(batch))
+        self.dump_timeout = float(dump_timeout)
+        self.preflight = preflight
+        self.session = uuid.uuid4().hex[:12]
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self.client = Client(list(urls), timeout=timeout, retries=retries, concurrency=self.concurrency, backoff=backoff)
+        self.aux_client = (Client(list(aux_urls), timeout=timeout, retries=retries, concurrency=self.concurrency,
+                                  backoff=backoff) if aux_urls else None)
+        self._checked = False
+        self.server_versions: dict[str, str] = {}
+
+    # -- bookkeeping
+    def _rid(self, prefix: str, attempt: int) -> str:
+        with self._lock:
+            n = next(self._counter)
+        return f"{prefix}{self.session}-{n}-a{attempt}"
+
+    def info(self) -> EngineInfo:
+        from eaglenest.models.target import target_fingerprint
+
+        return EngineInfo(
+            target=str(self.path),
+            target_fingerprint=target_fingerprint(self.path),
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            vocab_size=self.vocab_size,
+            layer_ids=self.layer_ids,
+            final_norm="post",  # SGLang's model forward returns the state after the final norm
+            extra={"urls": self.client.urls, "mode": self.mode, "target_sglang_version": TARGET_SGLANG_VERSION},
+        )
+
+    def close(self) -> None:
+        self.client.close()
+        if self.aux_client is not None:
+            self.aux_client.close()
+        if self.mode == "plugin" and self.staging.is_dir():
+            # late files of attempts that timed out on our side
+            for f in glob.glob(str(self.staging / f"{glob.escape(CAPTURE_RID_PREFIX + self.session)}-*")):
+                try:
+                    os.remove(f)
+                except OSError:
+                    pass
+
+    def _map(self, fn, items: list) -> list:
+        if len(items) <= 1 or self.concurrency == 1:
+            return [fn(x) for x in items]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items))) as ex:
+            return list(ex.map(fn, items))
+
+    def _chunks(self, items: list) -> list[list]:
+        return [items[i:i + self.batch] for i in range(0, len(items), self.batch)]
+
+    # -- preflight
+    def _check_servers(self) -> None:
+        if self._checked or not self.preflight:
+            self._checked = True
+            return
+        clients = [(self.client, self.mode)] + ([(self.aux_client, "stock")] if self.aux_client else [])
+        for client, mode in clients:
+            for url in client.urls:
+                try:
+                    info = client.get_json("/server_info", url)
+                except RequestFailed as e:
+                    raise EaglenestError(f"{url}/server_info: {e.message} (is it an SGLang server? skip this check "
+                                         "with --sglang-skip-preflight)") from None
+                self.server_versions[url] = str(info.get("version"))
+                errors, warnings = preflight_problems(info, mode)
+                for w in warnings:
+                    print(f"sglang: warning: {url}: {w}", file=sys.stderr)
+                if errors:
+                    raise EaglenestError(f"{url}: " + "; ".join(errors) + " (see docs/sglang.md for the launch command)")
+        if self.mode == "plugin":
+            self._check_marker()
+        self._checked = True
+
+    def _check_marker(self) -> None:
+        mk = self.staging / plugin.MARKER_FILE
+        if not mk.exists():
+            raise EaglenestError(
+                f"no {plugin.MARKER_FILE} in {self.staging}: the server is not running eaglenest's capture plugin with "
+                f"{plugin.ENV_DIR}={self.staging} on this machine (install: `eaglenest sglang-plugin install --python "
+                "SGLANG_PYTHON`; see docs/sglang.md), or pass --sglang-staging")
+        try:
+            m = json.loads(mk.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise EaglenestError(f"{mk}: unreadable ({e})") from None
+        if m.get("rid_prefix") != CAPTURE_RID_PREFIX:
+            raise EaglenestError(f"the plugin observes rids starting with {m.get('rid_prefix')!r}, this client sends "
+                                 f"{CAPTURE_RID_PREFIX!r}: unset {plugin.ENV_RID_PREFIX} on the server")
+        lids = m.get("layer_ids")
+        if lids not in (None, "auto") and list(lids) != list(self.layer_ids):
+            raise EaglenestError(f"the plugin captures layers {lids}, this run wants {self.layer_ids} (set "
+                                 f"{plugin.ENV_LAYERS} on the server or --layers here)")
+        if lids == "auto" and self.layer_ids != plugin.default_layer_ids(self.num_layers):
+            raise EaglenestError(f"the plugin captures the canonical layers {plugin.default_layer_ids(self.num_layers)}, "
+                                 f"this run wants {self.layer_ids}: start the server with "
+                                 f"{plugin.ENV_LAYERS}={','.join(map(str, self.layer_ids))}")
+        if m.get("sglang_version") != TARGET_SGLANG_VERSION:
+            print(f"sglang: warning: the plugin runs in SGLang {m.get('sglang_version')}, it targets "
+                  f"{TARGET_SGLANG_VERSION} (`eaglenest sglang-plugin check`)", file=sys.stderr)
+
+    # -- one batched request, with fresh rids per attempt
+    def _post(self, client: Client, reqs: list[Request], prefix: str, sampling: dict, *, extra_key: bool,
+              hidden: bool, rid_log: list) -> tuple[list[str], list[dict]]:
+        def make(attempt: int) -> dict:
+            rids = [self._rid(prefix, attempt) for _ in reqs]
+            rid_log.append(rids)
+            return generate_payload([r.input_ids for r in reqs], rids, sampling,
+                                    extra_keys=list(rids) if extra_key else None, return_hidden_states=hidden)
+
+        resp = client.request("POST", "/generate", make_payload=make)
+        return rid_log[-1], response_items(resp, len(reqs))
+
+    def _post_isolating(self, client, reqs, prefix, sampling, *, extra_key, hidden):
+        """[(rid, item) | Failure] per request; a 4xx on a multi-sample batch is retried one by one
+        so that one bad sample does not fail its neighbours."""
+        rid_log: list = []
+        try:
+            rids, items = self._post(client, reqs, prefix, sampling, extra_key=extra_key, hidden=hidden, rid_log=rid_log)
+            return list(zip(rids, items)), rid_log
+        except RequestFailed as e:
+            if len(reqs) > 1 and e.status is not None and 400 <= e.status < 500:
+                out = []
+                for r in reqs:
+                    res, log_r = self._post_isolating(client, [r], prefix, sampling, extra_key=extra_key, hidden=hidden)
+                    rid_log.extend(log_r)
+                    out.extend(res)
+                return out, rid_log
+            return [Failure(r.id, e.reason, e.message) for r in reqs], rid_log
+
+    # -- capture
+    def capture(self, batch: list[Request]) -> list[Captured | Failure]:
+        if self.mode == "stock" and self.aux_client is None:
+            raise EaglenestError(
+                "stock SGLang (--enable-return-hidden-states) returns only the post-norm final state, not the three aux "
+                "states EAGLE-3 trains on: use --sglang-mode plugin (eaglenest's capture plugin), or add "
+                "--sglang-aux-url servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
+                "(see docs/sglang.md)")
+        self._check_servers()
+        results: list[Captured | Failure | None] = [None] * len(batch)
+        todo = []
+        for i, r in enumerate(batch):
+            if not r.input_ids:
+                results[i] = Failure(r.id, "empty", "no tokens")
+            elif min(r.input_ids) < 0 or max(r.input_ids) >= self.vocab_size:
+                results[i] = Failure(r.id, "token_out_of_vocab", f"token id outside [0, {self.vocab_size})")
+            else:
+                todo.append(i)
+        fn = self._capture_plugin if self.mode == "plugin" else self._capture_stock
+        for idx, outs in zip(self._chunks(todo), self._map(lambda idx: fn([batch[i] for i in idx]), self._chunks(todo))):
+            for i, o in zip(idx, outs):
+                results[i] = o
+        return results  # type: ignore[return-value]
+
+    def _capture_plugin(self, reqs: list[Request]) -> list[Captured | Failure]:
+        res, rid_log = self._post_isolating(self.client, reqs, CAPTURE_RID_PREFIX, capture_sampling(), extra_key=True,
+                                            hidden=False)
+        try:
+            out = []
+            for r, x in zip(reqs, res):
+                if isinstance(x, Failure):
+                    out.append(x)
+                    continue
+                rid, item = x
+                bad = check_item(item, rid, r.input_ids, r.id)
+                if bad is None and (item.get("meta_info") or {}).get("cached_tokens"):
+                    bad = Failure(r.id, "prefix_cached", f"the server reused {item['meta_info']['cached_tokens']} cached "
+                                  "prompt tokens (its radix cache ignored extra_key?): launch with --disable-radix-cache")
+                out.append(bad or self._collect(rid, r))
+            return out
+        finally:
+            for rids in rid_log:
+                for rid in rids:
+                    self._remove_rid(rid)
+
+    def _remove_rid(self, rid: str) -> None:
+        for f in glob.glob(str(self.staging / f"{glob.escape(rid)}.*")):
+            try:
+                os.remove(f)
+            except OSError:
+                pass
+
+    def _collect(self, rid: str, r: Request) -> Captured | Failure:
+        """Wait for the plugin's files of `rid`, check them, assemble [T, 3H] and [T, H]."""
+        import torch
+        from safetensors import safe_open
+
+        T = len(r.input_ids)
+        deadline = time.time() + self.dump_timeout
+        err = self.staging / plugin.error_name(rid)
+        delay = 0.002
+        while True:
+            if err.exists():
+                try:
+                    e = json.loads(err.read_text())
+                    return Failure(r.id, str(e.get("reason") or "plugin_error"), f"capture plugin: {e.get('message')}")
+                except (OSError, json.JSONDecodeError):
+                    pass  # being written: look again
+            chunks = []
+            for f in glob.glob(str(self.staging / f"{glob.escape(rid)}.*.safetensors")):
+                try:
+                    with safe_open(f, framework="pt", device="cpu") as h:
+                        meta = h.metadata() or {}
+                    chunks.append((int(meta["start"]), int(meta["n_tokens"]), f))
+                except Exception:
+                    continue
+            chunks.sort()
+            if chunks and chunks[0][0] > 0:
+                return Failure(r.id, "prefix_cached", f"the first captured chunk starts at token {chunks[0][0]}: the server "
+                               "reused a cached prefix (launch with --disable-radix-cache)")
+            pos = 0
+            for start, n, _ in chunks:
+                if start != pos:
+                    break
+                pos += n
+            if pos >= T and chunks:
+                break
+            if time.time() > deadline:
+                if not chunks:
+                    return Failure(r.id, "staging_missing",
+                                   f"no capture file for rid {rid} in {self.staging} after {self.dump_timeout:.0f}s: is the "
+                                   f"plugin loaded with {plugin.ENV_DIR}={self.staging}, on this machine, with prefill CUDA "
+                                   "graphs off (--cuda-graph-backend-prefill disabled)?")
+                return Failure(r.id, "staging_incomplete", f"capture files of rid {rid} cover tokens [0, {pos}) of {T}")
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+        parts = []
+        for start, n, f in chunks:
+            try:
+                t, meta = plugin.read_dump(f)
+            except Exception as e:
+                return Failure(r.id, "bad_staging_file", f"{f}: {type(e).__name__}: {e}")
+            if meta.get("rid") != rid:
+                return Failure(r.id, "bad_staging_file", f"{f} is for rid {meta.get('rid')!r}")
+            lids = json.loads(meta.get("layer_ids", "[]"))
+            if lids != list(self.layer_ids):
+                return Failure(r.id, "layer_mismatch", f"the plugin captured layers {lids}, this run wants {self.layer_ids}")
+            want = r.input_ids[start:start + n]
+            if (bad := check_echo(want, t["input_ids"], r.id)) is not None:
+                bad.message = f"capture file (tokens {start}..{start + n}): " + bad.message
+                return bad
+            parts.append(t)
+        ids = torch.cat([p["input_ids"] for p in parts])[:T]
+        aux = torch.cat([p["aux_hidden_states"] for p in parts])[:T]
+        last = torch.cat([p["last_hidden_state"] for p in parts])[:T]
+        H = self.hidden_size
+        if tuple(aux.shape) != (T, 3 * H) or tuple(last.shape) != (T, H):
+            return Failure(r.id, "bad_shape", f"captured aux {tuple(aux.shape)} / final {tuple(last.shape)}, expected "
+                           f"{(T, 3 * H)} / {(T, H)}")
+        return Captured(r.id, ids.to(torch.long), aux.contiguous(), last.contiguous())
+
+    def _capture_stock(self, reqs: list[Request]) -> list[Captured | Failure]:
+        import torch
+
+        got = {}
+        for name, client in (("final", self.client), ("aux", self.aux_client)):
+            res, _ = self._post_isolating(client, reqs, CAPTURE_RID_PREFIX, capture_sampling(), extra_key=True, hidden=True)
+            got[name] = res
+        out = []
+        H = self.hidden_size
+        for k, r in enumerate(reqs):
+            T = len(r.input_ids)
+            tensors = {}
+            fail = None
+            for name, width in (("final", H), ("aux", 3 * H)):
+                x = got[name][k]
+                if isinstance(x, Failure):
+                    fail = x
+                    break
+                rid, item = x
+                if (fail := check_item(item, rid, r.input_ids, r.id)) is not None:
+                    break
+                rows = hidden_rows(item)
+                if rows is None:
+                    fail = Failure(r.id, "no_hidden_states", f"{name} server returned no meta_info.hidden_states: was it "
+                                   "started with --enable-return-hidden-states?")
+                    break
+                if rows.shape[0] < T or rows.shape[1] != width:
+                    what = "the final state" if name == "final" else "the aux concat"
+                    fail = Failure(r.id, "bad_shape", f"{name} server returned hidden_states {tuple(rows.shape)}, expected "
+                                   f"{(T, width)} ({what}){' -- fewer rows: a cached prefix?' if rows.shape[0] < T else ''}")
+                    break
+                tensors[name] = rows[:T]
+            if fail is not None:
+                out.append(fail)
+                continue
+            # float32 holds the JSON floats exactly (the server sent bf16/fp16 values); the store casts
+            out.append(Captured(r.id, torch.tensor(r.input_ids, dtype=torch.long), tensors["aux"], tensors["final"]))
+        return out
+
+    # -- generation (regenerate)
+    def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
+        sampling = generate_sampling(max_new_tokens, temperature, seed, self.eos_ids)
+
+        def run(reqs: list[Request]) -> list[Generated | Failure]:
+            res, _ = self._post_isolating(self.client, reqs, GENERATE_RID_PREFIX, sampling, extra_key=False, hidden=False)
+            out = []
+            for r, x in zip(reqs, res):
+                if isinstance(x, Failure):
+                    out.append(x)
+                    continue
+                rid, item = x
+                bad = check_item(item, rid, r.input_ids, r.id)
+                out.append(bad or finish(r.id, r.input_ids, item, self.eos_ids))
+            return out
+
+        results: list = [None] * len(batch)
+        todo = []
+        for i, r in enumerate(batch):
+            if not r.input_ids:
+                results[i] = Failure(r.id, "empty", "no tokens")
+            else:
+                todo.append(i)
+        for idx, outs in zip(self._chunks(todo), self._map(lambda idx: run([batch[i] for i in idx]), self._chunks(todo))):
+            for i, o in zip(idx, outs):
+                results[i] = o
+        return results

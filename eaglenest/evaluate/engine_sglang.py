@@ -1,0 +1,273 @@
+"""`eaglenest eval --engine sglang --sglang-url URL`: tau of a draft served by a running SGLang server.
+
+The server is started elsewhere (SGLang needs CUDA), with the draft (SGLang 0.5.23 flags; see
+docs/sglang.md):
+
+    python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \\
+        --speculative-draft-model-path DRAFT_DIR --speculative-num-steps S \\
+        --speculative-eagle-topk K --speculative-num-draft-tokens D
+
+The benchmark prompts go one at a time (batch size 1, like the other evaluators) to `POST /generate`
+as token ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
+For every finished request SGLang 0.5.23 reports `meta_info.completion_tokens` and, when a draft
+proposed tokens, `meta_info.spec_verify_ct` (target verification forwards),
+`spec_num_correct_drafts` and `spec_correct_drafts_histogram` (steps by number of accepted draft
+tokens) -- `TokenizerManager._calculate_spec_decoding_metrics`.  The report's tau is SGLang's own
+acceptance length summed over the prompts:
+
+    tau = sum(completion_tokens) / sum(spec_verify_ct)
+
+(`verified_tokens` = completion_tokens, `verify_steps` = spec_verify_ct).  Note that
+completion_tokens includes the token the prefill emits, which no verification step produced; the
+tau of the in-process and vLLM evaluators leaves it out.  That figure is reported as well:
+`sglang_tau_verify_only` = sum(spec_verify_ct + spec_num_correct_drafts) / sum(spec_verify_ct).
+Acceptance at draft position i = steps that accepted more than i draft tokens / verify steps (from
+the histogram).
+
+Options: `--sglang-url URL` (when the eval command offers it) or `--engine-arg url=URL`;
+`--engine-arg baseline_url=URL` (a server without the draft: speedup and, at temperature 0, the
+greedy-equivalence check), `--engine-arg timeout=S`, `--engine-arg retries=N`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from eaglenest import EaglenestError
+
+TAU_SOURCE = "sum(meta_info.completion_tokens) / sum(meta_info.spec_verify_ct)"
+
+
+def add_arguments(p) -> None:
+    """Flags for `eval` (for a CLI that asks engine evaluators for their arguments)."""
+    p.add_argument("--sglang-url", action="append", default=None, metavar="URL",
+                   help="sglang evaluator: base URL of a running SGLang server serving the draft (EAGLE3)")
+
+
+def _urls(args) -> tuple[list[str], list[str]]:
+    ea = dict(getattr(args, "engine_args", None) or {})
+    urls = list(getattr(args, "sglang_url", None) or [])
+    if ea.get("url"):
+        urls += [u for u in ea["url"].split(",") if u]
+    base = [u for u in (ea.get("baseline_url") or "").split(",") if u]
+    if not urls:
+        raise EaglenestError("eval --engine sglang needs a running server: --sglang-url URL or --engine-arg url=URL "
+                             "(launch flags: docs/sglang.md)")
+    return urls, base
+
+
+def accepted_per_position(hist: list[int] | None, steps: int) -> list[int]:
+    """Verify steps in which draft position i was accepted (more than i drafts accepted)."""
+    hist = list(hist or [])
+    return [sum(c for n, c in enumerate(hist) if n > i) for i in range(steps)]
+
+
+def spec_record(meta: dict, steps: int) -> dict:
+    ct = int(meta.get("spec_verify_ct") or 0)
+    completion = int(meta.get("completion_tokens") or 0)
+    correct = int(meta.get("spec_num_correct_drafts") or 0)
+    return {
+        "verify_steps": ct,
+        "verified_tokens": completion if ct else 0,
+        "accepted_per_position": accepted_per_position(meta.get("spec_correct_drafts_histogram"), steps),
+        "tau": completion / ct if ct else None,
+        "correct_drafts": correct,
+    }
+
+
+def _server_spec(info: dict) -> dict:
+    from eaglenest.engines.sglang import find_key
+
+    return {k: find_key(info, k) for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                                           "speculative_num_draft_tokens", "speculative_draft_model_path")}
+
+
+def run_eval(args) -> dict:
+    from eaglenest.capture.layers import default_layer_ids
+    from eaglenest.engines.base import Failure
+    from eaglenest.engines.sglang import (
+        GENERATE_RID_PREFIX,
+        Client,
+        RequestFailed,
+        check_item,
+        finish,
+        generate_payload,
+        generate_sampling,
+        response_items,
+    )
+    from eaglenest.evaluate.mtbench import load_bench
+    from eaglenest.evaluate.run import _answer_text, _first_difference, chat_prompt_ids, summarize
+    from eaglenest.evaluate.specdec import resolve_num_draft_tokens
+    from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
+    from eaglenest.utils import progress
+
+    a = args
+    ea = dict(getattr(a, "engine_args", None) or {})
+    urls, base_urls = _urls(a)
+    steps, topk, temp = int(a.steps), int(a.topk), float(a.temperature)
+    ndt = resolve_num_draft_tokens(steps, topk, a.num_draft_tokens)
+    if a.max_new_tokens < 1:
+        raise EaglenestError("--max-new-tokens must be >= 1")
+    dataset, prompts = load_bench(a.bench)
+    if a.limit is not None:
+        prompts = prompts[: a.limit]
+    if not prompts:
+        raise EaglenestError("no prompts to evaluate (check --limit)")
+    path = resolve_model_path(a.model)
+    tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))
+    tcfg = load_config(a.model, getattr(a, "trust_remote_code", False))
+    eos = set()
+    for v in (getattr(tcfg, "eos_token_id", None), tok.eos_token_id):
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, int):
+                eos.add(x)
+    eos_list = sorted(eos)
+    aux_ids, draft_vocab = None, None
+    draft_dir = Path(a.draft)
+    if (draft_dir / "config.json").exists():
+        from eaglenest.evaluate.run import check_draft_fits
+        from eaglenest.export.format import read_draft_config
+
+        _, dcfg = read_draft_config(draft_dir)
+        if not dcfg.aux_layer_ids:
+            dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
+        check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")
+        aux_ids, draft_vocab = list(dcfg.aux_layer_ids), dcfg.draft_vocab_size
+    else:
+        print(f"eval sglang: {draft_dir} is not readable here; the report takes the draft as the server loaded it",
+              file=sys.stderr)
+
+    timeout, retries = float(ea.get("timeout", 900)), int(ea.get("retries", 1))
+    client = Client(urls, timeout=timeout, retries=retries, concurrency=1)
+    version, server_spec = None, {}
+    try:
+        info = client.get_json("/server_info", urls[0])
+        version = info.get("version")
+        server_spec = _server_spec(info)
+    except RequestFailed as e:
+        print(f"eval sglang: warning: {urls[0]}/server_info: {e.message}", file=sys.stderr)
+    want = {"speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": ndt}
+    differ = {k: (server_spec.get(k), v) for k, v in want.items() if server_spec.get(k) is not None and server_spec[k] != v}
+    if differ:
+        raise EaglenestError("the server decodes with " + ", ".join(f"{k}={s}" for k, (s, _) in differ.items())
+                             + " but this run says " + ", ".join(f"{k}={w}" for k, (_, w) in differ.items())
+                             + ": pass the server's --steps/--topk/--num-draft-tokens")
+    if server_spec.get("speculative_algorithm") not in (None, "EAGLE3"):
+        raise EaglenestError(f"the server runs speculative algorithm {server_spec['speculative_algorithm']!r}, not EAGLE3")
+
+    counter = iter(range(1 << 62))
+
+    def ask(c: Client, ids: list[int]):
+        sampling = generate_sampling(a.max_new_tokens, temp, int(a.seed), eos_list)
+        sent = {}
+
+        def make(attempt):
+            sent["rid"] = f"{GENERATE_RID_PREFIX}eval-{next(counter)}-a{attempt}"
+            return generate_payload([ids], [sent["rid"]], sampling)
+
+        t0 = time.perf_counter()
+        try:
+            resp = c.request("POST", "/generate", make_payload=make)
+        except RequestFailed as e:
+            raise EaglenestError(f"SGLang request failed: {e.message}") from None
+        wall = time.perf_counter() - t0
+        item = response_items(resp, 1)[0]
+        bad = check_item(item, sent["rid"], ids, "eval")
+        g = bad or finish("eval", ids, item, eos_list)
+        if isinstance(g, Failure):
+            raise EaglenestError(f"SGLang answer rejected ({g.reason}): {g.message}")
+        return g, item.get("meta_info") or {}, wall
+
+    def run_all(c: Client, spec: bool, desc: str) -> list[dict]:
+        ask(c, chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}]))  # warm-up, not reported
+        recs = []
+        bar = progress(total=sum(min(a.turns, len(p.turns)) for p in prompts), desc=desc, unit="gen")
+        try:
+            for p in prompts:
+                hist: list[dict] = []
+                for turn, question in enumerate(p.turns[: a.turns], start=1):
+                    hist.append({"role": "user", "content": question})
+                    ids = chat_prompt_ids(tok, hist)
+                    g, meta, wall = ask(c, ids)
+                    rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
+                           "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids),
+                           "completion_tokens": int(meta.get("completion_tokens") or len(g.output_ids))}
+                    if spec:
+                        rec.update(spec_record(meta, steps))
+                    hist.append({"role": "assistant", "content": _answer_text(tok, g.output_ids, eos)})
+                    recs.append(rec)
+                    bar.update(1)
+        finally:
+            bar.close()
+        return recs
+
+    try:
+        records = run_all(client, True, "eval sglang spec")
+    finally:
+        client.close()
+    if sum(r["verify_steps"] for r in records) == 0 and sum(r["generated_tokens"] for r in records) > len(records):
+        raise EaglenestError("no meta_info.spec_verify_ct in any answer: is the server running the draft "
+                             "(--speculative-algorithm EAGLE3 --speculative-draft-model-path ...)?")
+    base_records = None
+    if base_urls and not a.no_baseline:
+        bclient = Client(base_urls, timeout=timeout, retries=retries, concurrency=1)
+        try:
+            base_records = run_all(bclient, False, "eval sglang baseline")
+        finally:
+            bclient.close()
+
+    mismatches = []
+    if base_records is not None:
+        for r, b in zip(records, base_records):
+            r["baseline_tokens"] = b["generated_tokens"]
+            r["baseline_wall_s"] = b["wall_s"]
+            if temp <= 0:
+                same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
+                r["matches_baseline"] = same
+                if not same:
+                    mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"],
+                                                        r["output_ids"], b["output_ids"]))
+    report = {
+        "engine": "sglang",
+        "dataset": dataset,
+        "n_prompts": len(prompts),
+        "turns": a.turns,
+        "n_generations": len(records),
+        "steps": steps,
+        "topk": topk,
+        "num_draft_tokens": ndt,
+        "temperature": temp,
+        "batch_size": 1,
+        "max_new_tokens": a.max_new_tokens,
+        "seed": a.seed,
+        "target": str(a.model),
+        "target_path": str(path),
+        "draft": str(a.draft),
+        "aux_layer_ids": aux_ids,
+        "draft_vocab_size": draft_vocab,
+        "device": "SGLang server",
+        "dtype": a.dtype,
+    }
+    report.update(summarize(records, steps))
+    report.setdefault("baseline_tokens_per_s", None)
+    report.setdefault("speedup", None)
+    if base_records is not None and temp <= 0:
+        report["greedy_matches_baseline"] = not mismatches
+        report["greedy_mismatches"] = mismatches
+    else:
+        report["greedy_matches_baseline"] = None
+    report["per_prompt"] = [
+        {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
+                              "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
+                              "baseline_tokens", "matches_baseline") if k in rec}
+        for rec in records
+    ]
+    vsteps = sum(r["verify_steps"] for r in records)
+    report["sglang_version"] = version
+    report["sglang_urls"] = urls
+    report["sglang_server_spec"] = server_spec
+    report["sglang_tau_source"] = TAU_SOURCE
+    report["sglang_tau_verify_only"] = ((vsteps + sum(r["correct_drafts"] for r in records)) / vsteps) if vsteps else None
+    return report
