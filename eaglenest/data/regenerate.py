@@ -76,6 +76,7 @@ class _State:
     failure: Failure | None = None
     turns_done: int = 0
     n_source_turns: int = 0
+    committed: int = 0  # length of new_ids up to the end of the last generated turn
     finish: list[str] = field(default_factory=list)
 
 
@@ -127,7 +128,8 @@ def regenerate_samples(
             if budget < 1:
                 if st.turn == 0:
                     st.failure = Failure(st.id, "too_long", f"prompt of {len(st.new_ids)} tokens leaves no room under max_length {max_length}")
-                else:
+                else:  # no room for this turn: drop its prompt (the user turn just appended) and stop
+                    del st.new_ids[st.committed:], st.new_mask[st.committed:]
                     st.truncated = True
                 st.done = True
                 continue
@@ -137,7 +139,10 @@ def regenerate_samples(
             # the batch gets the seed of its first member when sampling; greedy ignores it
             reqs = [Request(st.id, list(st.new_ids)) for st in group]
             seed_b = sample_seed(seed, group[0].id, group[0].turn) if temperature > 0 else seed
-            outs = engine.generate(reqs, budget, temperature=temperature, seed=seed_b)
+            try:
+                outs = engine.generate(reqs, budget, temperature=temperature, seed=seed_b)
+            except NotImplementedError as e:
+                raise EaglenestError(f"engine {engine.name} cannot generate ({e}); use --engine vllm or hf") from None
             for st, req, res in zip(group, reqs, outs):
                 _advance(st, req, res, eot_ids, vocab_size)
 
@@ -177,6 +182,7 @@ def _advance(st: _State, req: Request, res, eot_ids: set[int], vocab_size: int |
     st.new_mask += [1] * len(out)
     st.generated += len(out)
     st.turns_done += 1
+    st.committed = len(st.new_ids)
     st.finish.append(res.finish_reason)
     if res.finish_reason != "stop":
         st.truncated = True  # stopped by length: append nothing, drop the later turns
@@ -269,6 +275,8 @@ def run_regenerate(
     print(f"regenerate: {len(todo)} samples to do ({n - len(todo)} already done) with engine {engine.name}, "
           f"temperature {temperature}, max {max_new_tokens} new tokens per turn", file=sys.stderr)
 
+    if todo and hasattr(engine, "start"):
+        engine.start("generate")  # a server engine starts here, so tok/s below is generation only
     failures = Failures()
     t0 = time.time()
     gen_tokens = 0

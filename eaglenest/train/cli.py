@@ -40,9 +40,14 @@ def register(sub) -> None:
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "bf16", "fp32"], help="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 also works on CPUs with AVX512-BF16/AMX")
     p.add_argument("--init-head", default=d.init_head, choices=["target", "random"], help="initialize lm_head/norm from the target's")
-    p.add_argument("--fc-init", default=d.fc_init, choices=["scaled", "random"], help="fc init: scaled = whitened by the aux features' RMS")
+    p.add_argument("--fc-init", default=d.fc_init, choices=["scaled", "high", "random"], help="fc init: scaled = whitened by the aux features' RMS; high = scaled + identity on the high aux layer")
     p.add_argument("--freeze-head", action="store_true", help="keep lm_head at the target's rows (faster; EAGLE-1 style)")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
+    p.add_argument("--attn-impl", default=d.attn_impl, choices=["auto", "eager", "chunked", "flex"],
+                   help="TTT attention: auto = flex on CUDA, eager on CPU; chunked = flash-style in plain torch (all equal)")
+    p.add_argument("--recompute", default=d.recompute, choices=["auto", "none", "layer"],
+                   help="activation checkpointing of each TTT step (auto: on CUDA when activations would not fit)")
+    p.add_argument("--logits-chunk", type=int, default=d.logits_chunk, help="rows of draft logits alive at once (0: auto)")
     p.set_defaults(func=_run)
 
 

@@ -58,18 +58,33 @@ class TrainConfig:
     fc_init: str = "scaled"  # scaled: fc columns divided by the aux features' RMS (see _init_fc); random
     resume: bool = False
     log_every: int = 1
+    attn_impl: str = "auto"  # auto: flex on CUDA, eager on CPU; or eager | chunked | flex (same function)
+    recompute: str = "auto"  # activation checkpointing per TTT step: auto (CUDA, when the activations would not fit) | none | layer
+    logits_chunk: int = 0  # rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)
     extra: dict = field(default_factory=dict)
 
 
-def _dist():
+def _dist(device: str = "auto"):
+    """(dist module or None, rank, world size, whether we initialized the process group).
+    Under torchrun (WORLD_SIZE > 1): NCCL when the run uses CUDA, gloo otherwise (CPU runs)."""
     import torch.distributed as dist
 
+    owns = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        on_cuda = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda:")
+        dist.init_process_group("nccl" if on_cuda else "gloo")
+        owns = True
     if dist.is_available() and dist.is_initialized():
-        return dist, dist.get_rank(), dist.get_world_size()
-    return None, 0, 1
+        return dist, dist.get_rank(), dist.get_world_size(), owns
+    return None, 0, 1, owns
+
+
+def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
+    """Autograd-saved bytes of `tokens` tokens over `ttt` steps WITHOUT recompute, bf16 autocast:
+    ~47 H + 8 I bytes per token per step (measured with `bench/train_step.py --saved-bytes`;
+    307 KB at the Llama-3.1-8B shape, i.e. 2.1 MB per token over 7 steps; see bench/NOTES.md)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return int(tokens * ttt * (47 * H + 8 * I))
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -98,7 +113,7 @@ class Trainer:
         from eaglenest.utils import resolve_device
 
         self.cfg = cfg
-        self.dist, self.rank, self.world = _dist()
+        self.dist, self.rank, self.world, self._owns_pg = _dist(cfg.device)
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device)
         if self.device == "cuda" and self.world > 1:
@@ -150,7 +165,15 @@ class Trainer:
             lm_head=head["lm_head"].float(),
             draft_rows=rows,
             t2d=t2d,
+            matmul_dtype=torch.bfloat16 if self.autocast and self.device_type == "cuda" else torch.float32,
         ).to(self.device)
+        from eaglenest.draft.model import ATTN_IMPLS, default_attn_impl
+
+        self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
+        if self.attn_impl not in ATTN_IMPLS:
+            raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
+        if cfg.recompute not in ("auto", "none", "layer"):
+            raise EaglenestError(f"--recompute must be auto, none or layer (got {cfg.recompute})")
 
         train_idx, self.eval_idx = split(self.store, cfg.eval_fraction)
         self.schedule = Schedule(self.store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
@@ -219,8 +242,8 @@ class Trainer:
         the initial point); the first token (attention sink) is left out of the statistics."""
         if how == "random":
             return
-        if how != "scaled":
-            raise EaglenestError(f"--fc-init must be scaled or random (got {how})")
+        if how not in ("scaled", "high"):
+            raise EaglenestError(f"--fc-init must be scaled, high or random (got {how})")
         acc, n = None, 0
         for i in range(min(n_samples, len(self.store))):
             a = self.store[i]["aux_hidden_states"][1:].float()
@@ -231,6 +254,9 @@ class Trainer:
         rms = (acc / n).sqrt().clamp_min(1e-3)
         fc = self.model.fc.weight
         fc.copy_(torch.randn_like(fc) * (1.0 / fc.shape[1]) ** 0.5 / rms.to(fc))
+        if how == "high":  # start from the high aux layer itself: the draft's output begins as a logit lens
+            H = fc.shape[0]
+            fc[:, 2 * H : 3 * H] += torch.eye(H, dtype=fc.dtype, device=fc.device)
 
     def _coverage(self, t2d) -> float | None:
         c = getattr(self, "counts", None)
@@ -297,19 +323,31 @@ class Trainer:
         dev = self.device
         tlogp, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]))
         B, T = b.input_ids.shape
+        cuda = self.device_type == "cuda"
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
             loss, stats = ttt_forward(
                 self.model,
                 b.input_ids.to(dev),
-                b.aux.to(dev).float(),
+                b.aux.to(dev).to(torch.bfloat16 if self.autocast else torch.float32),
                 tlogp.view(B, T, -1),
                 targ.view(B, T),
                 b.loss_mask.to(dev),
                 self.cfg.ttt_steps,
                 denom.to(dev),
-                checkpoint_logits=self.device_type == "cuda",  # GPU memory is the limit; CPU RAM is not
+                chunk=self.cfg.logits_chunk or (4096 if cuda else 1024),
+                checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
+                attn_impl=self.attn_impl,
+                recompute=self._recompute(B * T),
             )
         return loss, stats, b.n_tokens
+
+    def _recompute(self, tokens: int) -> bool:
+        if self.cfg.recompute != "auto":
+            return self.cfg.recompute == "layer"
+        if self.device_type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return estimate_activation_bytes(self.model.cfg, tokens, self.cfg.ttt_steps) > 0.5 * free
 
     def _denoms(self, batches: list[list[int]]) -> torch.Tensor:
         d = torch.zeros(self.cfg.ttt_steps)
@@ -389,18 +427,23 @@ class Trainer:
 
             plot_run(self.out)
             atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval})
+        if self.world > 1:
+            self.dist.barrier()  # every rank returns once rank 0's final checkpoint is complete
+            if self._owns_pg:
+                self.dist.destroy_process_group()
         return {"step": self.step, "eval": last_eval, "checkpoint": final}
 
     def _allreduce(self, params, loss_val, n_tok, agg):
         dist = self.dist
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)  # losses are globally normalized: the SUM is the full-batch gradient
-        off = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[off : off + n].view_as(p).clone()
-            off += n
+        # losses are globally normalized: the SUM is the full-batch gradient.  In place, one
+        # collective per parameter (the draft has ~13), all in flight at once: no flat copy.
+        works = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            works.append(dist.all_reduce(p.grad, async_op=True))
+        for w in works:
+            w.wait()
         keys = list(agg)
         stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64)
         dist.all_reduce(stats)

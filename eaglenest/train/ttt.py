@@ -14,13 +14,14 @@ Alignment (decided once, tested in tests/test_ttt.py against a slow reference):
   Per-step loss = sum(weight * softCE) / denominators[j]; total = sum_j 0.8^j * loss_j.
 
 The teacher is computed once per batch over the draft vocabulary (never the full-vocabulary
-probabilities per step); draft logits are produced and consumed chunk by chunk under activation
+probabilities per step; the full-vocab argmax is chunked); each step reads it through row indices
+(no shifted [T, V] copies); draft logits are produced and consumed chunk by chunk under activation
 checkpointing, so no [T, V] logits tensor is kept for backward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,24 +39,37 @@ class Teacher:
     lm_head: torch.Tensor  # [V, H] full target head (for the argmax)
     draft_rows: torch.Tensor  # [Vd] target ids of the draft vocabulary
     t2d: torch.Tensor  # [V] bool
+    matmul_dtype: torch.dtype = torch.float32  # bf16 on CUDA: fp32 matmuls would cost ~2x the draft's step
+    _w: dict = field(default_factory=dict, repr=False)  # cached (full, draft-rows) heads per dtype
 
     def to(self, device) -> "Teacher":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d))
+        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype)
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self._w.get(self.matmul_dtype)
+        if w is None:
+            W = self.lm_head.to(self.matmul_dtype)
+            w = self._w[self.matmul_dtype] = (W, W[self.draft_rows])  # the draft rows once, not per batch
+        return w
 
     @torch.no_grad()
-    def targets(self, last_hidden: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-        """last_hidden [N, H] -> (teacher log-probs over the draft vocab [N, Vd] fp32, target argmax [N])."""
-        logp, arg = [], []
-        W = self.lm_head.float()
-        Wd = W[self.draft_rows]
-        for s in range(0, last_hidden.shape[0], chunk):
+    def targets(self, last_hidden: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """last_hidden [N, H] -> (teacher log-probs over the draft vocab [N, Vd] fp32, target argmax [N]).
+        Full-vocabulary logits exist one chunk at a time ([chunk, V], transient)."""
+        chunk = chunk or (8192 if last_hidden.is_cuda else 2048)
+        W, Wd = self.heads()
+        N = last_hidden.shape[0]
+        logp = torch.empty(N, Wd.shape[0], dtype=torch.float32, device=last_hidden.device)
+        arg = torch.empty(N, dtype=torch.long, device=last_hidden.device)
+        for s in range(0, N, chunk):
             h = last_hidden[s : s + chunk].float()
             if self.norm_weight is not None:
                 h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
-            arg.append((h @ W.T).argmax(-1))  # full-vocab argmax, chunked so [chunk, V] is transient
-            logp.append(torch.log_softmax(h @ Wd.T, dim=-1))
-        return torch.cat(logp), torch.cat(arg)
+            h = h.to(self.matmul_dtype)
+            arg[s : s + chunk] = (h @ W.T).argmax(-1)
+            logp[s : s + chunk] = torch.log_softmax((h @ Wd.T).float(), dim=-1)
+        return logp, arg
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -81,11 +95,13 @@ def denominators(loss_mask: torch.Tensor, ttt: int) -> torch.Tensor:
     return torch.stack([shift_left(loss_mask, 2 + j).float().sum() for j in range(ttt)])
 
 
-def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, tlogp: torch.Tensor, w: torch.Tensor):
-    logits = draft.logits(h)
+def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor, trows: torch.Tensor, w: torch.Tensor):
+    """Soft cross-entropy of the kept rows of one contiguous chunk of hidden states.  The teacher
+    rows are gathered in here, so a checkpoint keeps only references (no [chunk, V] copies)."""
+    logits = draft.logits(h.index_select(0, rows))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp = torch.log_softmax(logits, dim=-1)
-    ce = -(tlogp.exp() * logp).sum(-1)
+    ce = -(teacher.index_select(0, trows).exp() * logp).sum(-1)
     return (ce * w).sum(), logits.argmax(-1)
 
 
@@ -101,47 +117,64 @@ def ttt_forward(
     step_decay: float = 0.8,
     chunk: int = 1024,
     checkpoint_logits: bool = True,
+    attn_impl: str = "eager",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, dict]:
-    """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens)."""
+    """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens).
+
+    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked" or "flex" (see
+    eaglenest/draft/model.py); recompute: run each draft step under activation checkpointing
+    (keeps ~its inputs, K/V and output per step instead of every intermediate: long sequences)."""
     B, T = input_ids.shape
     dev = input_ids.device
     pos = torch.arange(T, device=dev).expand(B, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] if attn_impl == "eager" else None
     in_draft = draft.t2d[teacher_argmax]
     weights = step_weights(loss_mask, in_draft, ttt)
     hidden = draft.fuse(aux)
     past_diag: list[tuple[torch.Tensor, torch.Tensor]] = []
     ctx_kv = None
+    grad = torch.is_grad_enabled()
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    stats = {"loss_sum": [], "correct": [], "count": [], "loss_count": []}
+    teacher = teacher_logp.reshape(B * T, -1)  # a view: never shifted or copied per step
+    targ = teacher_argmax.reshape(-1)
+    per_step = []  # (loss_sum, correct, count, loss_count) as tensors: one host sync at the end
     for j in range(ttt):
         tok = shift_left(input_ids, 1 + j)
         if j == 0:
-            h, kv = draft.step(tok, hidden, pos, mask=causal)
-            ctx_kv = kv
+            args, kw = (tok, hidden, pos), dict(mask=causal, attn_impl=attn_impl)
         else:  # step-0 keys causally, plus key t of every later step (its own included)
-            h, kv = draft.step(tok, hidden, pos + j, past_kv=ctx_kv, mask=causal, diag_kv=past_diag, own_as_diag=True)
+            args, kw = (tok, hidden, pos + j), dict(past_kv=ctx_kv, mask=causal, diag_kv=list(past_diag), own_as_diag=True, attn_impl=attn_impl)
+        if recompute and grad:
+            h, kv = checkpoint(draft.step, *args, use_reentrant=False, **kw)
+        else:
+            h, kv = draft.step(*args, **kw)
+        if j == 0:
+            ctx_kv = kv
+        else:
             past_diag.append(kv)
-        tl = shift_left(teacher_logp, 1 + j)
-        ta = shift_left(teacher_argmax, 1 + j, fill=-1)
         w, m = weights[j]
+        wf, mf = w.reshape(-1), m.reshape(-1)
         loss_sum = h.new_zeros((), dtype=total.dtype)
-        correct = 0.0
-        Hf, tlf, wf, mf, taf = h.reshape(B * T, -1), tl.reshape(B * T, -1), w.reshape(-1), m.reshape(-1), ta.reshape(-1)
+        correct = h.new_zeros((), dtype=torch.float32)
         keep = (mf > 0).nonzero(as_tuple=True)[0]  # only positions that count: saves lm_head work
-        for s in range(0, keep.numel(), chunk):
-            idx = keep[s : s + chunk]
-            args = (Hf[idx], tlf[idx], wf[idx])
-            if checkpoint_logits and torch.is_grad_enabled():
+        bounds = torch.searchsorted(keep.cpu(), torch.arange(0, B * T + chunk, chunk)).tolist()
+        for c, hc in enumerate(h.reshape(B * T, -1).split(chunk)):  # views; one cat in backward
+            a, b = bounds[c], bounds[c + 1]
+            if a == b:
+                continue
+            rows = keep[a:b]
+            trows = rows + 1 + j  # teacher P_{t+1+j} (in range: the mask is 0 where t+2+j >= T)
+            args = (hc, rows - c * chunk, teacher, trows, wf[rows])
+            if checkpoint_logits and grad:
                 ls, am = checkpoint(_chunk_loss, draft, *args, use_reentrant=False)
             else:
                 ls, am = _chunk_loss(draft, *args)
             loss_sum = loss_sum + ls
-            correct += float((draft.to_target_ids(am) == taf[idx]).float().mul(mf[idx]).sum())
+            correct = correct + ((draft.to_target_ids(am) == targ[trows]).float() * mf[rows]).sum()
         total = total + (step_decay**j) * loss_sum / denom[j].clamp_min(1.0)
-        stats["loss_sum"].append(float(loss_sum.detach()))
-        stats["correct"].append(correct)
-        stats["count"].append(float(m.sum()))
-        stats["loss_count"].append(float(w.sum()))
+        per_step.append(torch.stack([loss_sum.detach(), correct, m.sum(), w.sum()]).double())
         hidden = h
+    vals = torch.stack(per_step).tolist()
+    stats = {k: [v[i] for v in vals] for i, k in enumerate(("loss_sum", "correct", "count", "loss_count"))}
     return total, stats

@@ -1,0 +1,275 @@
+"""`eaglenest eval --engine vllm`: serve the target with our exported draft in vLLM and measure tau.
+
+  * A server is started (127.0.0.1, free port, the vLLM venv) with
+    `--speculative-config {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": steps}`
+    (vLLM drafts a chain: --topk 1 only; draft tokens = steps + 1).
+  * The benchmark prompts go one at a time (batch size 1, like the in-process evaluator) as token
+    ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
+  * tau comes from the server's Prometheus counters, snapshotted before and after each request:
+    tau = 1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total),
+    and the acceptance at draft position i = d(..._num_accepted_tokens_per_pos_total{position=i}) /
+    d(drafts).  In the report's terms: verify_steps = d(drafts), verified_tokens = d(drafts) +
+    d(accepted) (tokens emitted by verification forwards, the prefill's token excluded), which is
+    exactly how the in-process evaluator counts.
+  * Then the same server without speculation answers the same prompts; at temperature 0 the
+    outputs must be token-identical (`greedy_matches_baseline`).
+
+Options for this evaluator come as `--engine-arg KEY=VALUE`: python (the vLLM venv's python),
+startup_timeout (s), max_model_len, log_dir (keep the server logs there), server_arg (one extra
+server argument; `server_arg=--max-num-seqs=4`).  The report has the in-process evaluator's keys
+plus `vllm_*` extras.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from eaglenest import EaglenestError
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def spec_counters(metrics: dict[str, float], steps: int) -> dict:
+    """The spec-decode counters out of a parsed /metrics (summed over engines/labels)."""
+    per_pos = [0.0] * steps
+    for key, v in metrics.items():
+        if key.startswith(PER_POS + "{"):
+            label = key.split('position="', 1)
+            if len(label) == 2:
+                pos = int(label[1].split('"', 1)[0])
+                if pos < steps:
+                    per_pos[pos] += v
+    return {
+        "drafts": metrics.get(DRAFTS, 0.0),
+        "accepted": metrics.get(ACCEPTED, 0.0),
+        "draft_tokens": metrics.get(DRAFT_TOKENS, 0.0),
+        "per_pos": per_pos,
+    }
+
+
+def settled_counters(client, steps: int, tries: int = 40) -> dict:
+    """Read the counters until two reads agree (the stat logger can trail the HTTP response)."""
+    prev = spec_counters(client.metrics(), steps)
+    for _ in range(tries):
+        time.sleep(0.05)
+        cur = spec_counters(client.metrics(), steps)
+        if cur == prev:
+            return cur
+        prev = cur
+    return prev
+
+
+def _target_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def run_eval(args) -> dict:
+    from eaglenest.capture.layers import default_layer_ids
+    from eaglenest.engines.vllm import (
+        Client,
+        RequestFailed,
+        VLLMServer,
+        eos_token_ids,
+        find_vllm_python,
+        finish_generated,
+        server_command,
+    )
+    from eaglenest.evaluate.mtbench import load_bench
+    from eaglenest.evaluate.run import _answer_text, _first_difference, check_draft_fits, chat_prompt_ids, summarize
+    from eaglenest.export.format import read_draft_config
+    from eaglenest.models.target import load_tokenizer, resolve_model_path
+    from eaglenest.utils import progress
+
+    a = args
+    ea = dict(getattr(a, "engine_args", None) or {})
+    steps, topk, temp = int(a.steps), int(a.topk), float(a.temperature)
+    if topk != 1:
+        raise EaglenestError("vLLM drafts EAGLE-3 as a chain: use --topk 1 with --engine vllm")
+    if a.num_draft_tokens not in (None, steps + 1):
+        raise EaglenestError(f"vLLM verifies steps+1 = {steps + 1} tokens per round; drop --num-draft-tokens")
+    if a.max_new_tokens < 1:
+        raise EaglenestError("--max-new-tokens must be >= 1")
+    dataset, prompts = load_bench(a.bench)
+    if a.limit is not None:
+        prompts = prompts[: a.limit]
+    if not prompts:
+        raise EaglenestError("no prompts to evaluate (check --limit)")
+
+    path = resolve_model_path(a.model)
+    tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))
+    tcfg = _target_config(path)
+    draft_dir = Path(a.draft).resolve()
+    if not (draft_dir / "config.json").exists():
+        raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
+    _, dcfg = read_draft_config(draft_dir)
+    if not dcfg.aux_layer_ids:
+        dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
+    check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")
+    eos = set(eos_token_ids(path))
+    if tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    eos_list = sorted(eos)
+
+    python = find_vllm_python(ea.get("python"))
+    workdir = Path(ea["log_dir"]) if ea.get("log_dir") else Path(tempfile.mkdtemp(prefix="eaglenest-vllm-eval-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    max_len = int(ea.get("max_model_len") or min(int(getattr(tcfg, "max_position_embeddings", 4096) or 4096), 4096))
+    extra = [ea["server_arg"]] if ea.get("server_arg") else []
+    startup = float(ea.get("startup_timeout", 600))
+    spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
+
+    def serve(spec: bool, name: str) -> VLLMServer:
+        wd = workdir / name
+        return VLLMServer(
+            lambda port: server_command(python, path, port=port, dtype=a.dtype, max_model_len=max_len,
+                                        speculative_config=spec_cfg if spec else None, extra=extra),
+            workdir=wd, startup_timeout=startup,
+        ).start()
+
+    def ask(client: Client, model: str, ids: list[int]):
+        room = min(a.max_new_tokens, max_len - len(ids))
+        if room < 1:
+            raise EaglenestError(f"a prompt of {len(ids)} tokens does not fit max_model_len {max_len}")
+        payload = {"model": model, "prompt": ids, "max_tokens": room, "temperature": temp, "top_p": 1.0, "top_k": 0,
+                   "seed": int(a.seed), "return_token_ids": True, "skip_special_tokens": False, "stop_token_ids": eos_list}
+        t0 = time.perf_counter()
+        try:
+            resp = client.request("POST", "/v1/completions", payload)
+        except RequestFailed as e:
+            raise EaglenestError(f"vLLM request failed: {e.message}") from None
+        wall = time.perf_counter() - t0
+        ch = (resp.get("choices") or [{}])[0]
+        if ch.get("prompt_token_ids") != ids:
+            raise EaglenestError("vLLM echoed other prompt ids than were sent (token_mismatch)")
+        g = finish_generated("", ids, list(ch.get("token_ids") or []), ch.get("finish_reason"), ch.get("stop_reason"), eos_list)
+        return g, wall, resp.get("system_fingerprint")
+
+    def run_all(client: Client, spec: bool, desc: str) -> tuple[list[dict], str | None]:
+        model = client.model_card(client.urls[0])["id"]
+        warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
+        ask(client, model, warm)  # warm-up: not timed, and the counters are snapshotted per request
+        recs, version = [], None
+        n_gen = sum(min(a.turns, len(p.turns)) for p in prompts)
+        bar = progress(total=n_gen, desc=desc, unit="gen")
+        try:
+            for p in prompts:
+                hist: list[dict] = []
+                for turn, question in enumerate(p.turns[: a.turns], start=1):
+                    hist.append({"role": "user", "content": question})
+                    ids = chat_prompt_ids(tok, hist)
+                    before = settled_counters(client, steps) if spec else None
+                    g, wall, version = ask(client, model, ids)
+                    rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
+                           "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids)}
+                    if spec:
+                        after = settled_counters(client, steps)
+                        d = after["drafts"] - before["drafts"]
+                        acc = after["accepted"] - before["accepted"]
+                        rec.update(
+                            verify_steps=int(round(d)),
+                            verified_tokens=int(round(d + acc)),
+                            accepted_per_position=[int(round(x - y)) for x, y in zip(after["per_pos"], before["per_pos"])],
+                            tau=(1 + acc / d) if d else None,
+                        )
+                    hist.append({"role": "assistant", "content": _answer_text(tok, g.output_ids, eos)})
+                    recs.append(rec)
+                    bar.update(1)
+        finally:
+            bar.close()
+        return recs, version
+
+    server_times: dict[str, float] = {}
+    server = serve(True, "spec")
+    try:
+        server_times["spec"] = server.start_seconds or 0.0
+        client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
+        try:
+            records, version = run_all(client, True, "eval vllm spec")
+        finally:
+            client.close()
+        log_text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+    finally:
+        server.stop()
+    base_records = None
+    if not a.no_baseline:
+        bserver = serve(False, "baseline")
+        try:
+            server_times["baseline"] = bserver.start_seconds or 0.0
+            bclient = Client([bserver.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
+            try:
+                base_records, _ = run_all(bclient, False, "eval vllm baseline")
+            finally:
+                bclient.close()
+        finally:
+            bserver.stop()
+
+    mismatches = []
+    if base_records is not None:
+        for r, b in zip(records, base_records):
+            r["baseline_tokens"] = b["generated_tokens"]
+            r["baseline_wall_s"] = b["wall_s"]
+            if temp <= 0:
+                same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
+                r["matches_baseline"] = same
+                if not same:
+                    mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"],
+                                                        r["output_ids"], b["output_ids"]))
+
+    report = {
+        "engine": "vllm",
+        "dataset": dataset,
+        "n_prompts": len(prompts),
+        "turns": a.turns,
+        "n_generations": len(records),
+        "steps": steps,
+        "topk": 1,
+        "num_draft_tokens": steps + 1,
+        "temperature": temp,
+        "batch_size": 1,
+        "max_new_tokens": a.max_new_tokens,
+        "seed": a.seed,
+        "target": str(a.model),
+        "target_path": str(path),
+        "draft": str(a.draft),
+        "aux_layer_ids": list(dcfg.aux_layer_ids),
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "device": "cpu (vLLM)",
+        "dtype": a.dtype,
+        "attention": "vllm",  # vLLM's own attention backend for the platform
+    }
+    report.update(summarize(records, steps))
+    report.setdefault("baseline_tokens_per_s", None)
+    report.setdefault("speedup", None)
+    if base_records is not None and temp <= 0:
+        report["greedy_matches_baseline"] = not mismatches
+        report["greedy_mismatches"] = mismatches
+    else:
+        report["greedy_matches_baseline"] = None
+    report["per_prompt"] = [
+        {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
+                              "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
+                              "baseline_tokens", "matches_baseline") if k in rec}
+        for rec in records
+    ]
+    report["vllm_version"] = version
+    report["vllm_server_start_s"] = server_times
+    report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"
+    report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text
+    # the prefill's token is not verified: generated = verified + 1 per generation, unless a
+    # verification round overshot max_new_tokens / eos (vLLM counts what it accepted)
+    report["vllm_unaccounted_tokens"] = sum(r["generated_tokens"] - 1 - r["verified_tokens"] for r in records)
+    if not ea.get("log_dir"):
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"eval vllm: server logs under {workdir}", file=sys.stderr)
+    return report

@@ -1,0 +1,472 @@
+"""The vLLM engine's protocol handling and `regenerate`'s turn logic, without vLLM.
+
+A fake server on 127.0.0.1 speaks the parts of vLLM's /v1/completions the engine uses; a fake
+engine drives `regenerate`.  The live tests are in test_vllm_live_*.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglenest.engines.base import Captured, Engine, Failure, Generated, Request
+from eaglenest.engines.vllm import VLLMEngine, finish_generated, parse_prometheus, read_hidden_states
+from vllm_helpers import REPO, FakeVLLM, completion
+
+H = 64  # tiny_llama_dir: hidden 64 (explicit aux ids 1,3,4; the final id is its layer count)
+
+
+def _engine(tiny_llama_dir, url, **kw) -> VLLMEngine:
+    return VLLMEngine(str(tiny_llama_dir), layers="1,3,4", urls=[url], retries=kw.pop("retries", 0), timeout=10, **kw)
+
+
+def _write_states(path: Path, ids: list[int], L: int = 4, lock: bool = True, delay: float = 0.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(len(ids), L, H, generator=g).to(torch.bfloat16)
+    if not lock:
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(ids)}, str(path))
+        return hs
+    fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def write():
+        time.sleep(delay)
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(ids)}, str(path))
+        os.close(fd)  # releases the lock, like the connector's writer thread
+
+    threading.Thread(target=write).start()
+    return hs
+
+
+def test_capture_reads_and_splits_staged_states(tiny_llama_dir, tmp_path):
+    written = {}
+
+    def handler(p):
+        path = tmp_path / f"{len(written)}.safetensors"
+        written[str(path)] = _write_states(path, p["prompt"], delay=0.2)
+        assert p["max_tokens"] == 1 and p["return_token_ids"] is True
+        return 200, completion(p["prompt"], hidden_states_path=path)
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            assert e.info().final_norm == "pre" and e.info().layer_ids == [1, 3, 4]
+            (res,) = e.capture([Request("a", [5, 6, 7])])
+        finally:
+            e.close()
+    assert isinstance(res, Captured), res
+    (path, hs), = written.items()
+    assert res.input_ids.tolist() == [5, 6, 7]
+    assert res.aux_hidden_states.shape == (3, 3 * H) and res.last_hidden_state.shape == (3, H)
+    assert torch.equal(res.aux_hidden_states, torch.cat([hs[:, 0], hs[:, 1], hs[:, 2]], dim=-1))
+    assert torch.equal(res.last_hidden_state, hs[:, 3])
+    assert not os.path.exists(path) and not os.path.exists(path + ".lock"), "staging files must be removed"
+
+
+def test_token_mismatch_fails_the_sample(tiny_llama_dir, tmp_path):
+    def handler(p):
+        path = tmp_path / "x.safetensors"
+        _write_states(path, p["prompt"], lock=False)
+        wrong = [1] + p["prompt"]  # e.g. a BOS the server added
+        return 200, completion(wrong, hidden_states_path=path)
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            (res,) = e.capture([Request("s1", [5, 6, 7])])
+        finally:
+            e.close()
+    assert isinstance(res, Failure) and res.reason == "token_mismatch"
+    assert "sent [5, 6, 7]" in res.message and "seen [1, 5, 6" in res.message
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_mismatch_inside_the_staging_file_is_caught(tiny_llama_dir, tmp_path):
+    def handler(p):
+        path = tmp_path / "y.safetensors"
+        _write_states(path, [9] + p["prompt"][1:], lock=False)
+        return 200, completion(p["prompt"], hidden_states_path=path)
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            (res,) = e.capture([Request("s1", [5, 6, 7])])
+        finally:
+            e.close()
+    assert isinstance(res, Failure) and res.reason == "token_mismatch" and "hidden-state file" in res.message
+
+
+def test_wrong_layer_count_and_missing_path(tiny_llama_dir, tmp_path):
+    def handler(p):
+        if p["prompt"][0] == 5:
+            path = tmp_path / "z.safetensors"
+            _write_states(path, p["prompt"], L=3, lock=False)
+            return 200, completion(p["prompt"], hidden_states_path=path)
+        return 200, completion(p["prompt"])  # a server without the extractor
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            a, b = e.capture([Request("a", [5, 6]), Request("b", [8, 9])])
+        finally:
+            e.close()
+    assert isinstance(a, Failure) and a.reason == "bad_shape" and f"layer ids [1, 3, 4, {e.num_layers}]" in a.message
+    assert isinstance(b, Failure) and b.reason == "no_hidden_states"
+
+
+def test_retries_5xx_then_succeeds_and_gives_up_with_reason(tiny_llama_dir, tmp_path):
+    calls = {"n": 0}
+
+    def handler(p):
+        calls["n"] += 1
+        if p["prompt"][0] == 7 or calls["n"] == 1:
+            return 503, {"error": "overloaded"}
+        path = tmp_path / f"{calls['n']}.safetensors"
+        _write_states(path, p["prompt"], lock=False)
+        return 200, completion(p["prompt"], hidden_states_path=path)
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url, retries=2, concurrency=1)
+        try:
+            ok, bad = e.capture([Request("ok", [5, 6]), Request("bad", [7, 8])])
+        finally:
+            e.close()
+    assert isinstance(ok, Captured)
+    assert isinstance(bad, Failure) and bad.reason == "http_5xx" and "after 3 attempts" in bad.message
+
+
+def test_connection_refused_is_a_failure(tiny_llama_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = _engine(tiny_llama_dir, f"http://127.0.0.1:{port}", retries=1)
+    try:
+        (res,) = e.capture([Request("a", [5, 6])])
+    finally:
+        e.close()
+    assert isinstance(res, Failure) and res.reason == "connection"
+
+
+def test_out_of_vocab_never_reaches_the_server(tiny_llama_dir):
+    with FakeVLLM(lambda p: (500, {})) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            (res,) = e.capture([Request("a", [5, 10**6])])
+        finally:
+            e.close()
+        assert res.reason == "token_out_of_vocab" and not srv.requests
+
+
+def test_capture_cli_with_fake_url_records_token_mismatch(tiny_llama_dir, tmp_path):
+    """End to end through `eaglenest capture --engine vllm --vllm-url`: the sample fails, is
+    written to failures.jsonl with its reason, and the run exits 1."""
+    from eaglenest.cli import main
+    from eaglenest.data import Sample, write_prepared
+
+    data = tmp_path / "data"
+    write_prepared(data, [Sample("good", [1, 2, 3, 4], [0, 0, 1, 1]), Sample("bad", [1, 2, 9, 9, 9], [0, 0, 1, 1, 1])],
+                   {"target": str(tiny_llama_dir)}, vocab_size=49152)
+
+    def handler(p):
+        path = tmp_path / f"{p['prompt'][-1]}-{len(p['prompt'])}.safetensors"
+        _write_states(path, p["prompt"], lock=False)
+        echo = p["prompt"] if p["prompt"][2] != 9 else p["prompt"][:-1]  # drops a token
+        return 200, completion(echo, hidden_states_path=path)
+
+    with FakeVLLM(handler) as srv:
+        rc = main(["capture", "--model", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "feat"),
+                   "--engine", "vllm", "--vllm-url", srv.url, "--layers", "1,3,4", "--vllm-retries", "0"])
+    assert rc == 1
+    import json
+
+    fails = [json.loads(x) for x in (tmp_path / "feat" / "failures.jsonl").read_text().splitlines()]
+    assert [(f["id"], f["reason"]) for f in fails] == [("bad", "token_mismatch")]
+    from eaglenest.features import FeatureStore
+
+    fs = FeatureStore(tmp_path / "feat")
+    assert fs.ids() == ["good"] and fs.meta.final_norm == "pre" and fs.meta.engine == "vllm"
+
+
+def test_read_hidden_states_waits_for_the_writer(tmp_path):
+    path = tmp_path / "w.safetensors"
+    hs = _write_states(path, [1, 2], delay=0.3)
+    t = time.time()
+    d = read_hidden_states(str(path), timeout=10)
+    assert time.time() - t >= 0.25 and torch.equal(d["hidden_states"], hs)
+
+
+def test_generate_ends_turns_with_the_stop_token(tiny_llama_dir):
+    def handler(p):
+        assert p["skip_special_tokens"] is False and p["return_token_ids"] is True and 2 in p["stop_token_ids"]
+        if p["prompt"][0] == 1:
+            return 200, completion(p["prompt"], token_ids=[10, 11], finish="stop", stop_reason=None)  # eos not echoed
+        if p["prompt"][0] == 3:
+            return 200, completion(p["prompt"], token_ids=[10, 11, 2], finish="stop")
+        return 200, completion(p["prompt"], token_ids=[10] * p["max_tokens"], finish="length")
+
+    with FakeVLLM(handler) as srv:
+        e = _engine(tiny_llama_dir, srv.url)
+        try:
+            a, b, c = e.generate([Request("a", [1, 5]), Request("b", [3, 5]), Request("c", [4, 5])], 4)
+        finally:
+            e.close()
+    assert (a.output_ids, a.finish_reason) == ([10, 11, 2], "stop")
+    assert (b.output_ids, b.finish_reason) == ([10, 11, 2], "stop")
+    assert (c.output_ids, c.finish_reason) == ([10] * 4, "length")
+    assert finish_generated("x", [1], [7, 99], "stop", 99, [2]).output_ids == [7, 99]
+
+
+def test_parse_prometheus_and_spec_counters():
+    from eaglenest.evaluate.engine_vllm import spec_counters
+
+    text = """# HELP x
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 0.0
+"""
+    m = parse_prometheus(text)
+    c = spec_counters(m, 3)
+    assert c["drafts"] == 10 and c["accepted"] == 7 and c["per_pos"] == [5, 2, 0]
+
+
+def test_connector_module_is_light():
+    """vLLM workers import the connector by module path: it must not drag torch/transformers in."""
+    code = ("import sys, eaglenest.engines.vllm_connector as m; "
+            "bad = [x for x in ('torch', 'transformers', 'vllm') if x in sys.modules]; "
+            "assert not bad, bad; assert m.CONNECTOR_NAME == 'CPUHiddenStatesConnector'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# ------------------------------------------------------------------------------ regenerate logic
+
+
+class FakeEngine(Engine):
+    """Answers each prompt with `answers[(len(prompt))]` or a default; records prompts."""
+
+    name = "fake"
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.prompts: list[list[int]] = []
+
+    def info(self):
+        raise NotImplementedError
+
+    def capture(self, batch):
+        raise NotImplementedError
+
+    def generate(self, batch, max_new_tokens, temperature=0.0, seed=0):
+        out = []
+        for r in batch:
+            self.prompts.append(list(r.input_ids))
+            res = self.reply(r, max_new_tokens)
+            out.append(res)
+        return out
+
+
+def test_turn_spans():
+    from eaglenest.data.regenerate import turn_spans
+
+    assert turn_spans([0, 1, 1, 0, 0, 1, 0, 1]) == [(1, 3), (5, 6), (7, 8)]
+    assert turn_spans([0, 0]) == [] and turn_spans([1, 1]) == [(0, 2)]
+
+
+def _sample(sid, ids, mask):
+    from eaglenest.data import Sample
+
+    return Sample(sid, ids, mask)
+
+
+def test_regenerate_two_turns_sequentially():
+    from eaglenest.data.regenerate import regenerate_samples
+
+    EOT, NL = 2, 198
+    # [sys/user/header] A A EOT \n [user2 header] B EOT \n
+    ids = [1, 50, 51, 60, 61, EOT, NL, 1, 52, 53, 70, EOT, NL]
+    mask = [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    eng = FakeEngine(lambda r, n: Generated(r.id, r.input_ids, [90 + len(r.input_ids), EOT], "stop"))
+    (row,) = regenerate_samples(eng, [_sample("s", ids, mask)], max_new_tokens=8, temperature=0.0, seed=0,
+                                max_length=None, eot_ids={EOT})
+    assert eng.prompts[0] == [1, 50, 51]
+    turn1 = [93, EOT]
+    assert eng.prompts[1] == [1, 50, 51, *turn1, NL, 1, 52, 53]  # conditioned on its own first answer
+    turn2 = [90 + len(eng.prompts[1]), EOT]
+    assert row["input_ids"] == [1, 50, 51, *turn1, NL, 1, 52, 53, *turn2, NL]
+    assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    assert row["turns"] == 2 and not row["truncated"] and row["generated_tokens"] == 4
+
+
+def test_regenerate_mask_without_eot_and_length_stop_drops_later_turns():
+    from eaglenest.data.regenerate import regenerate_samples
+
+    EOT = 2
+    # data whose mask excludes the end-of-turn token: the gap starts with it
+    ids = [1, 50, 60, EOT, 1, 52, 70, EOT]
+    mask = [0, 0, 1, 0, 0, 0, 1, 0]
+    eng = FakeEngine(lambda r, n: Generated(r.id, r.input_ids, [80, EOT], "stop"))
+    (row,) = regenerate_samples(eng, [_sample("s", ids, mask)], max_new_tokens=8, temperature=0.0, seed=0,
+                                max_length=None, eot_ids={EOT})
+    assert row["input_ids"] == [1, 50, 80, EOT, 1, 52, 80, EOT]  # no doubled EOT
+    assert row["loss_mask"] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+    eng = FakeEngine(lambda r, n: Generated(r.id, r.input_ids, [80] * n, "length"))
+    (row,) = regenerate_samples(eng, [_sample("s", ids, mask)], max_new_tokens=3, temperature=0.0, seed=0,
+                                max_length=None, eot_ids={EOT})
+    assert row["input_ids"] == [1, 50, 80, 80, 80] and row["loss_mask"] == [0, 0, 1, 1, 1]
+    assert row["truncated"] and row["turns"] == 1 and row["turns_in_source"] == 2 and len(eng.prompts) == 1
+
+
+def test_regenerate_failures_and_max_turns():
+    from eaglenest.data.regenerate import regenerate_samples
+
+    EOT = 2
+    good = _sample("g", [1, 50, 60, EOT, 9, 70, EOT], [0, 0, 1, 1, 0, 1, 1])
+    nomask = _sample("n", [1, 2, 3], [0, 0, 0])
+    echo_bad = _sample("e", [7, 50, 60, EOT], [0, 0, 1, 1])
+
+    def reply(r, n):
+        if r.input_ids[0] == 7:
+            return Generated(r.id, r.input_ids[1:], [5, EOT], "stop")  # server dropped a token
+        return Generated(r.id, r.input_ids, [5, EOT], "stop")
+
+    rows = regenerate_samples(FakeEngine(reply), [good, nomask, echo_bad], max_new_tokens=4, temperature=0.0,
+                              seed=0, max_length=None, eot_ids={EOT}, max_turns=1)
+    assert rows[0]["input_ids"] == [1, 50, 5, EOT] and rows[0]["turns"] == 1 and rows[0]["turns_in_source"] == 2
+    assert isinstance(rows[1], Failure) and rows[1].reason == "no_assistant_turn"
+    assert isinstance(rows[2], Failure) and rows[2].reason == "token_mismatch"
+
+
+def test_run_regenerate_is_resumable(tiny_llama_dir, tmp_path):
+    from eaglenest.data import PreparedData, Sample, write_prepared
+    from eaglenest.data.regenerate import run_regenerate
+
+    EOT = 2
+    src = tmp_path / "src"
+    write_prepared(src, [Sample(f"s{i}", [1, 40 + i, 60, EOT], [0, 0, 1, 1]) for i in range(5)],
+                   {"target": str(tiny_llama_dir), "max_length": 64}, vocab_size=49152)
+    calls = []
+
+    def reply(r, n):
+        calls.append(r.id)
+        if r.id == "s3" and calls.count("s3") == 1:
+            return Failure(r.id, "timeout", "slow")
+        return Generated(r.id, r.input_ids, [300 + r.input_ids[1], EOT], "stop")
+
+    out = tmp_path / "out"
+    s = run_regenerate(FakeEngine(reply), PreparedData(src), out, model_path=tiny_llama_dir, temperature=0.0,
+                       max_new_tokens=8, batch_size=2)
+    assert s.failed == 1 and s.done == 4
+    d = PreparedData(out)
+    assert len(d) == 4 and "s3" not in d.ids()
+    s2 = run_regenerate(FakeEngine(reply), PreparedData(src), out, model_path=tiny_llama_dir, temperature=0.0,
+                        max_new_tokens=8, batch_size=2)
+    assert s2.done == 1 and s2.skipped_done == 4 and s2.failed == 0
+    d = PreparedData(out)
+    assert d.ids() == [f"s{i}" for i in range(5)]  # source order
+    assert d[3].input_ids == [1, 43, 343, EOT] and d[3].loss_mask == [0, 0, 1, 1]
+    assert d.meta["notes"]["regenerated"]["samples"] == 5
+    with pytest.raises(Exception, match="other settings"):
+        run_regenerate(FakeEngine(reply), PreparedData(src), out, model_path=tiny_llama_dir, temperature=0.5,
+                       max_new_tokens=8)
+
+
+def test_server_start_failure_shows_the_log_tail(tmp_path):
+    from eaglenest import EaglenestError
+    from eaglenest.engines.vllm import VLLMServer
+
+    srv = VLLMServer(lambda port: [sys.executable, "-c", f"print('cannot start on {port}: boom'); raise SystemExit(3)"],
+                     workdir=tmp_path, startup_timeout=30)
+    with pytest.raises(EaglenestError, match="exited with code 3(.|\n)*boom"):
+        srv.start()
+    assert srv.proc is None
+
+
+def test_server_health_timeout_stops_the_process(tmp_path):
+    from eaglenest import EaglenestError
+    from eaglenest.engines.vllm import VLLMServer
+
+    srv = VLLMServer(lambda port: [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"],
+                     workdir=tmp_path, startup_timeout=1.5)
+    t = time.time()
+    with pytest.raises(EaglenestError, match="not healthy after 2s(.|\n)*loading"):
+        srv.start()
+    assert time.time() - t < 30 and srv.proc is None
+
+
+def test_server_command_binds_loopback_and_disables_caching(tmp_path):
+    from eaglenest.engines.vllm import server_command
+
+    cmd = server_command("py", "/m", port=1234, capture=([2, 15, 27], 30, tmp_path))
+    s = " ".join(cmd)
+    assert "--host 127.0.0.1" in s and "0.0.0.0" not in s and "--enforce-eager" in s
+    assert "--no-enable-chunked-prefill" in cmd and "--no-enable-prefix-caching" in cmd
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "eaglenest.engines.vllm_connector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+
+
+def test_a_started_server_dies_with_its_parent(tmp_path):
+    """If eaglenest is killed (SIGKILL: no cleanup runs), the server it started goes too."""
+    pidfile = tmp_path / "pid"
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from eaglenest.engines.vllm import VLLMServer
+srv = VLLMServer(lambda port: [sys.executable, "-c", "import os,time; open({str(pidfile)!r},'w').write(str(os.getpid())); time.sleep(120)"],
+                 workdir={str(tmp_path)!r}, startup_timeout=100)
+srv.start()
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie of an exited child is reaped by init; check its state
+        try:
+            if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the server outlived its parent")
+
+
+def test_regenerate_stops_cleanly_when_max_length_leaves_no_room():
+    from eaglenest.data.regenerate import regenerate_samples
+
+    EOT = 2
+    ids = [1, 50, 60, EOT, 9, 9, 9, 70, EOT]
+    mask = [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    eng = FakeEngine(lambda r, n: Generated(r.id, r.input_ids, [80] * (n - 1) + [EOT], "stop"))
+    (row,) = regenerate_samples(eng, [_sample("s", ids, mask)], max_new_tokens=4, temperature=0.0, seed=0,
+                                max_length=7, eot_ids={EOT})
+    # turn 1 fills the room (4 tokens: 2 + 4 = 6), the next user turn would not fit: it is not kept dangling
+    assert row["input_ids"] == [1, 50, 80, 80, 80, EOT] and row["loss_mask"] == [0, 0, 1, 1, 1, 1]
+    assert row["truncated"] and row["turns"] == 1 and len(eng.prompts) == 1
