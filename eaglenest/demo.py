@@ -21,13 +21,13 @@ from eaglenest import EaglenestError
 # Full: <= 25 min on 2 CPU cores once the environment exists; --quick: <= 3 min, same outputs.
 PRESETS = {
     "full": {
-        "samples": 420,
+        "samples": 300,
         "max_length": 512,
         "ttt_steps": 3,
         "draft_vocab": 8192,
         "lr": 2e-3,
-        "epochs": 3,
-        "batch_tokens": 4096,
+        "epochs": 2,
+        "batch_tokens": 2048,
         "freeze_head": True,
         "eval_limit": 80,
         "eval_max_new_tokens": 128,

@@ -138,3 +138,63 @@ def test_store_from_another_setup_is_refused(tiny_llama_dir, smol_data, smol_sto
 
         with HFEngine(str(tiny_llama_dir), device="cpu") as e:
             run_capture(e, PreparedData(smol_data), Path(smol_store))
+
+
+def _tiny_samples(n=12):
+    from types import SimpleNamespace as NS
+
+    g = torch.Generator().manual_seed(0)
+    return [NS(id=f"x{i}", input_ids=torch.randint(3, 300, (20 + i,), generator=g).tolist(), loss_mask=[0] * 5 + [1] * (15 + i)) for i in range(n)]
+
+
+def test_disk_estimate_refuses_and_override(tiny_llama_dir, tmp_path, monkeypatch):
+    import eaglenest.capture.run as cr
+    from eaglenest.engines.hf import HFEngine
+
+    monkeypatch.setattr(cr, "free_bytes", lambda p: 1000)
+    with HFEngine(str(tiny_llama_dir), device="cpu") as e:
+        with pytest.raises(EaglenestError, match="not enough disk"):
+            cr.run_capture(e, _tiny_samples(), tmp_path / "f")
+        s = cr.run_capture(e, _tiny_samples(), tmp_path / "f", ignore_disk=True)
+    assert s.stored == 12
+
+
+def test_disk_full_mid_run_stops_cleanly_and_resumes(tiny_llama_dir, tmp_path, monkeypatch):
+    import errno
+
+    import eaglenest.capture.run as cr
+    from eaglenest.engines.hf import HFEngine
+    from eaglenest.features.store import FeatureWriter
+
+    real = FeatureWriter.write_batch
+    calls = {"n": 0}
+
+    def flaky(self, samples):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, samples)
+
+    monkeypatch.setattr(FeatureWriter, "write_batch", flaky)
+    with HFEngine(str(tiny_llama_dir), device="cpu") as e:
+        with pytest.raises(EaglenestError, match="No space left.*re-run the same command"):
+            cr.run_capture(e, _tiny_samples(), tmp_path / "f", batch_tokens=64)
+        partial = len(FeatureStore(tmp_path / "f"))
+        assert 0 < partial < 12 and FeatureStore(tmp_path / "f").verify() == []
+        monkeypatch.setattr(FeatureWriter, "write_batch", real)
+        cr.run_capture(e, _tiny_samples(), tmp_path / "f", batch_tokens=64)
+    fs = FeatureStore(tmp_path / "f")
+    assert sorted(fs.ids()) == sorted(f"x{i}" for i in range(12)) and fs.verify() == []
+
+
+def test_bad_samples_are_counted_not_dropped(tiny_llama_dir, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from eaglenest.capture.run import run_capture
+    from eaglenest.engines.hf import HFEngine
+
+    samples = _tiny_samples(4) + [NS(id="oov", input_ids=[5, 10**6, 7], loss_mask=[0, 1, 1])]
+    with HFEngine(str(tiny_llama_dir), device="cpu") as e:
+        s = run_capture(e, samples, tmp_path / "f", max_failures=5)
+    assert s.stored == 4 and s.failed == 1 and s.failures["by_reason"] == {"token_out_of_vocab": 1}
+    assert "oov" in (tmp_path / "f" / "failures.jsonl").read_text()
