@@ -1,0 +1,389 @@
+"""`eaglenest eval`: acceptance length (tau) and speedup of a draft on a benchmark.
+
+The in-process transformers evaluator lives here (`run_eval_hf`); other engines plug in as
+modules `eaglenest/evaluate/engine_<name>.py` exposing `run_eval(args) -> dict` (the report
+without the common fields that `evaluate()` fills in).  They are found without importing them
+and imported only when chosen, so a missing/heavy engine never slows the CLI down.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from eaglenest import EaglenestError
+
+DTYPES = ("bf16", "fp32", "fp16")
+# bf16 is the default: on this AVX-512-BF16 CPU a bf16 forward of 4 tokens costs ~1.1x one of 1
+# token (fp32: ~1.7x), which is what verification needs, and it is the dtype engines serve in.
+# Greedy equivalence is judged against a baseline in the same dtype, and the row-wise attention
+# (exact_attention.py) makes it bit-exact in bf16.
+DEFAULT_DTYPE = "bf16"
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine registry
+
+
+def run_eval_hf(args) -> dict:
+    return HFEvaluator(args).run()
+
+
+ENGINE_EVALUATORS: dict[str, Callable] = {"hf": run_eval_hf}
+
+
+def engine_evaluators() -> dict[str, Callable]:
+    """ENGINE_EVALUATORS plus every `eaglenest.evaluate.engine_<name>` module present (imported lazily)."""
+    evs = dict(ENGINE_EVALUATORS)
+    here = Path(__file__).parent
+    for info in pkgutil.iter_modules([str(here)]):
+        if info.name.startswith("engine_"):
+            name = info.name[len("engine_"):]
+            evs.setdefault(name, _lazy(f"{__package__}.{info.name}"))
+    return evs
+
+
+def _lazy(module: str) -> Callable:
+    def run(args):
+        return importlib.import_module(module).run_eval(args)
+
+    run.__qualname__ = f"{module}.run_eval"
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# shared helpers (engine evaluators may use them too)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The target's own chat template with the generation prompt, as token ids."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
+    """One-line EaglenestError when a draft (DraftConfig) cannot run on this target."""
+    H, V, N = target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
+    if cfg.target_hidden_size != H:
+        raise EaglenestError(
+            f"{where} was trained for a target with hidden size {cfg.target_hidden_size} "
+            f"(fc takes 3x{cfg.target_hidden_size}), but this target has hidden size {H}"
+        )
+    if cfg.hidden_size != H:
+        raise EaglenestError(
+            f"{where} hidden size {cfg.hidden_size} != target hidden size {H} (the draft runs on the target's embeddings)"
+        )
+    if cfg.vocab_size != V:
+        raise EaglenestError(f"{where} vocabulary size {cfg.vocab_size} != target vocabulary size {V}")
+    if cfg.draft_vocab_size > V:
+        raise EaglenestError(f"{where} draft vocabulary ({cfg.draft_vocab_size}) is larger than the target's ({V})")
+    if cfg.target_num_layers and cfg.target_num_layers != N:
+        raise EaglenestError(f"{where} was trained for a {cfg.target_num_layers}-layer target, this target has {N} layers")
+    ids = list(cfg.aux_layer_ids)
+    if len(ids) != 3 or any(not 0 <= k < N for k in ids):
+        raise EaglenestError(
+            f"{where} aux layer ids {ids} do not fit a {N}-layer target (three capture-before ids in 0..{N - 1})"
+        )
+
+
+def check_draft_dir(draft_dir, target_config) -> None:
+    """Check a draft directory's config against the target's config (before loading any weights)."""
+    from eaglenest.export.format import read_draft_config
+
+    draft_dir = Path(draft_dir)
+    if not (draft_dir / "config.json").exists():
+        raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
+    _, cfg = read_draft_config(draft_dir)
+    if not cfg.aux_layer_ids:  # canonical ids are omitted from the checkpoint; load_draft fills them
+        from eaglenest.capture.layers import default_layer_ids
+
+        cfg.aux_layer_ids = default_layer_ids(target_config.num_hidden_layers)
+    check_draft_fits(cfg, target_config, where=f"draft {draft_dir}")
+
+
+def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
+    """Validate the draft against the target, then load it on the target's embeddings."""
+    from eaglenest.draft.vocab import check_vocab
+    from eaglenest.export.format import load_draft
+
+    check_draft_dir(draft_dir, target.config)
+    emb = target.get_input_embeddings().weight
+    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype)
+    check_draft_fits(draft.cfg, target.config, where=f"draft {draft_dir}")
+    why = check_vocab(draft.d2t.cpu(), draft.t2d.cpu())
+    if why:
+        raise EaglenestError(f"draft {draft_dir}: {why}")
+    return draft
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def summarize(records: list[dict], steps: int) -> dict:
+    """Aggregate per-generation records into the report's totals."""
+    gen = sum(r["generated_tokens"] for r in records)
+    ver_tok = sum(r["verified_tokens"] for r in records)
+    vsteps = sum(r["verify_steps"] for r in records)
+    acc = [sum(r["accepted_per_position"][i] for r in records) for i in range(steps)]
+    wall = sum(r["wall_s"] for r in records)
+    out = {
+        "tau": ver_tok / vsteps if vsteps else None,
+        "generated_tokens": gen,
+        "verified_tokens": ver_tok,
+        "verify_steps": vsteps,
+        "accept_per_position": [a / vsteps if vsteps else None for a in acc],
+        "spec_wall_s": wall,
+        "spec_tokens_per_s": gen / wall if wall > 0 else None,
+    }
+    base = [r for r in records if r.get("baseline_wall_s") is not None]
+    if base:
+        # the speedup compares the two decoders on the same generations (--baseline-limit may
+        # leave the plain decoder only the first prompts)
+        bgen = sum(r["baseline_tokens"] for r in base)
+        bwall = sum(r["baseline_wall_s"] for r in base)
+        sgen = sum(r["generated_tokens"] for r in base)
+        swall = sum(r["wall_s"] for r in base)
+        out["baseline_tokens"] = bgen
+        out["baseline_wall_s"] = bwall
+        out["baseline_tokens_per_s"] = bgen / bwall if bwall > 0 else None
+        if swall > 0 and out["baseline_tokens_per_s"]:
+            out["speedup"] = (sgen / swall) / out["baseline_tokens_per_s"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the transformers evaluator
+
+
+class HFEvaluator:
+    def __init__(self, args):
+        self.args = args
+
+    def run(self) -> dict:
+        import torch
+
+        from eaglenest.evaluate.mtbench import load_bench
+        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
+        from eaglenest.models.target import load_config, load_target, load_tokenizer, resolve_model_path
+        from eaglenest.utils import progress, resolve_device
+
+        a = self.args
+        steps, topk, temp = a.steps, a.topk, float(a.temperature)
+        ndt = resolve_num_draft_tokens(steps, topk, a.num_draft_tokens)  # fail before loading anything
+        if a.max_new_tokens < 1:
+            raise EaglenestError("--max-new-tokens must be >= 1")
+        dataset, prompts = load_bench(a.bench)
+        if a.limit is not None:
+            prompts = prompts[: a.limit]
+        if not prompts:
+            raise EaglenestError("no prompts to evaluate (check --limit)")
+
+        torch.manual_seed(a.seed)
+        device = resolve_device(a.device)
+        tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.dtype]
+        path = resolve_model_path(a.model)
+        check_draft_dir(a.draft, load_config(a.model, a.trust_remote_code))  # fail before loading weights
+        tok = load_tokenizer(a.model, a.trust_remote_code)
+        target = load_target(a.model, a.dtype, device, a.trust_remote_code)
+        attention = getattr(a, "attention", "rowwise")
+        if attention == "rowwise":  # verification bit-identical to plain decoding (see exact_attention.py)
+            from eaglenest.evaluate import exact_attention
+
+            exact_attention.install(target)
+        draft = load_draft_for_target(a.draft, target, device, tdtype)
+        eos = eos_token_ids(target, tok)
+        spec = SpecDecoder(target, draft, eos, steps=steps, topk=topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
+        plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
+        base_limit = getattr(a, "baseline_limit", None)  # plain decoding on the first N prompts only
+
+        # warm-up (first calls of the CPU kernels pay one-time setup): not timed, not reported
+        warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
+        spec.generate(warm, 8)
+        if plain:
+            plain.generate(warm, 8)
+
+        records: list[dict] = []
+        mismatches: list[dict] = []
+        n_gen = sum(min(a.turns, len(p.turns)) for p in prompts)
+        bar = progress(total=n_gen, desc="eval", unit="gen")
+        t_spec = t_base = 0.0
+        n_spec = n_base = 0
+        try:
+            for n_done, p in enumerate(prompts):
+                with_base = plain is not None and (base_limit is None or n_done < base_limit)
+                hist_s: list[dict] = []  # each decoder answers the next turn after its own answer
+                hist_b: list[dict] = []
+                for turn, question in enumerate(p.turns[: a.turns], start=1):
+                    hist_s.append({"role": "user", "content": question})
+                    ids = chat_prompt_ids(tok, hist_s)
+                    r = spec.generate(ids, a.max_new_tokens)
+                    hist_s.append({"role": "assistant", "content": _answer_text(tok, r.output_ids, eos)})
+                    rec = {
+                        "id": p.id,
+                        "turn": turn,
+                        "prompt_tokens": len(ids),
+                        "tau": r.tau,
+                        "generated_tokens": len(r.output_ids),
+                        "verified_tokens": r.verified_tokens,
+                        "verify_steps": r.verify_steps,
+                        "accepted_per_position": r.accepted_per_position,
+                        "finish_reason": r.finish_reason,
+                        "wall_s": r.wall_s,
+                    }
+                    t_spec += r.wall_s
+                    n_spec += len(r.output_ids)
+                    if with_base:
+                        hist_b.append({"role": "user", "content": question})
+                        bids = chat_prompt_ids(tok, hist_b)
+                        b = plain.generate(bids, a.max_new_tokens)
+                        hist_b.append({"role": "assistant", "content": _answer_text(tok, b.output_ids, eos)})
+                        rec["baseline_tokens"] = len(b.output_ids)
+                        rec["baseline_wall_s"] = b.wall_s
+                        t_base += b.wall_s
+                        n_base += len(b.output_ids)
+                        if temp <= 0:
+                            same = bids == ids and b.output_ids == r.output_ids
+                            rec["matches_baseline"] = same
+                            if not same:
+                                mismatches.append(_first_difference(p.id, turn, ids, bids, r.output_ids, b.output_ids))
+                    records.append(rec)
+                    bar.update(1)
+                    post = {"spec": f"{n_spec / t_spec:.1f}tok/s" if t_spec else "-"}
+                    if plain and t_base:
+                        post["base"] = f"{n_base / t_base:.1f}tok/s"
+                    vs = sum(x["verify_steps"] for x in records)
+                    if vs:
+                        post["tau"] = f"{sum(x['verified_tokens'] for x in records) / vs:.2f}"
+                    bar.set_postfix(post)
+        finally:
+            bar.close()
+            spec.close()
+
+        report = {
+            "engine": "hf",
+            "dataset": dataset,
+            "n_prompts": len(prompts),
+            "turns": a.turns,
+            "n_generations": len(records),
+            "steps": steps,
+            "topk": topk,
+            "num_draft_tokens": ndt,
+            "temperature": temp,
+            "batch_size": 1,
+            "max_new_tokens": a.max_new_tokens,
+            "seed": a.seed,
+            "target": str(a.model),
+            "target_path": str(path),
+            "draft": str(a.draft),
+            "aux_layer_ids": list(draft.cfg.aux_layer_ids),
+            "draft_vocab_size": draft.cfg.draft_vocab_size,
+            "device": device,
+            "dtype": a.dtype,
+            "attention": target.config._attn_implementation,
+        }
+        report.update(summarize(records, steps))
+        report.setdefault("baseline_tokens_per_s", None)
+        report.setdefault("speedup", None)
+        report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
+        if plain and temp <= 0:
+            report["greedy_matches_baseline"] = not mismatches
+            report["greedy_mismatches"] = mismatches
+        else:
+            report["greedy_matches_baseline"] = None
+        report["per_prompt"] = [
+            {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
+                                  "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
+                                  "baseline_tokens", "matches_baseline") if k in rec}
+            for rec in records
+        ]
+        return report
+
+
+def _answer_text(tok, output_ids: list[int], eos: set[int]) -> str:
+    ids = output_ids[:-1] if output_ids and output_ids[-1] in eos else output_ids
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _first_difference(pid, turn, ids, bids, out, bout) -> dict:
+    if ids != bids:
+        return {"id": pid, "turn": turn, "where": "prompt (an earlier turn already differed)"}
+    i = next((k for k, (x, y) in enumerate(zip(out, bout)) if x != y), min(len(out), len(bout)))
+    return {"id": pid, "turn": turn, "where": f"token {i}", "spec": out[i : i + 4], "baseline": bout[i : i + 4]}
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+
+def evaluate(args) -> dict:
+    """Run the chosen engine's evaluator, add the common fields, write REPORT.json atomically."""
+    from eaglenest.utils import atomic_write_json
+
+    evs = engine_evaluators()
+    if args.engine not in evs:
+        raise EaglenestError(f"unknown engine '{args.engine}' (available: {', '.join(sorted(evs))})")
+    t0 = time.perf_counter()
+    report = evs[args.engine](args)
+    report.setdefault("engine", args.engine)
+    report.setdefault("batch_size", 1)
+    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    report["machine"] = machine_info()
+    atomic_write_json(args.out, report)
+    return report
+
+
+def format_table(r: dict) -> str:
+    def f(x, spec=".2f", suffix=""):
+        return "-" if x is None else f"{x:{spec}}{suffix}"
+
+    acc = " ".join(f(x) for x in r.get("accept_per_position") or [])
+    match = r.get("greedy_matches_baseline")
+    rows = [
+        ("engine / dtype / device", f"{r.get('engine')} / {r.get('dtype', '-')} / {r.get('device', '-')}"),
+        ("dataset", f"{r.get('dataset')}  ({r.get('n_prompts')} prompts x {r.get('turns')} turn(s), batch {r.get('batch_size')})"),
+        ("steps / topk / draft tokens", f"{r.get('steps')} / {r.get('topk')} / {r.get('num_draft_tokens')}"),
+        ("temperature / max new tokens", f"{r.get('temperature')} / {r.get('max_new_tokens')}"),
+        ("tau (tokens per verify step)", f(r.get("tau"))),
+        ("accepted at draft position", acc or "-"),
+        ("generated tokens / verify steps", f"{r.get('generated_tokens')} / {r.get('verify_steps')}"),
+        ("spec tokens/s", f(r.get("spec_tokens_per_s"), ".1f")),
+        ("baseline tokens/s", f(r.get("baseline_tokens_per_s"), ".1f")),
+        ("speedup", f(r.get("speedup"), ".2f", "x")),
+        ("greedy output == baseline", "-" if match is None else ("yes" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ)")),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main_eval(args) -> int:
+    report = evaluate(args)
+    print(format_table(report))
+    print(f"report: {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,85 @@
+"""Builders shared by the evaluation tests: a tiny target, a random draft for it, rigged proposals."""
+
+from __future__ import annotations
+
+import torch
+
+from eaglenest.capture.layers import default_layer_ids
+from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.evaluate.specdec import Proposal
+
+
+def load_tiny(path, dtype=torch.float32, std: float | None = 0.3):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if std:
+        diversify(m, std)
+    return m.eval().requires_grad_(False)
+
+
+def diversify(model, std: float = 0.3, seed: int = 1):
+    """Re-draw a random target's matrices (not the tied embeddings) with a larger std: the default
+    init makes a tiny random Llama repeat one token forever, which would hide cache bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in n:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * std)
+    return model
+
+
+def random_draft(target, draft_vocab: int = 4096, seed: int = 0, always: list[int] | None = None) -> Eagle3Draft:
+    """A random-init draft that fits `target`: arbitrary token counts for the vocabulary, the
+    target's embeddings, canonical aux ids."""
+    cfg_t = target.config
+    g = torch.Generator().manual_seed(seed)
+    cfg = DraftConfig.from_target(cfg_t, draft_vocab, default_layer_ids(cfg_t.num_hidden_layers))
+    torch.manual_seed(seed)
+    d = Eagle3Draft(cfg, embed_weight=target.get_input_embeddings().weight)
+    counts = torch.randint(0, 1000, (cfg_t.vocab_size,), generator=g)
+    d.set_vocab(*build_vocab(counts, draft_vocab, always=always))
+    dt = next(target.parameters()).dtype
+    return d.to(dt).eval()
+
+
+def plain_greedy(target, prompt, n, eos=()):
+    from eaglenest.evaluate.specdec import PlainDecoder
+
+    return PlainDecoder(target, set(eos)).generate(prompt, n).output_ids
+
+
+def oracle_chain(reference: list[int], n_prompt: int, steps: int, wrong: bool = False, vocab: int = 49152):
+    """A `propose` replacement that drafts the target's own greedy continuation (`reference`
+    = prompt + plain greedy output), or always a wrong token when `wrong`."""
+
+    def propose(self, st):
+        done = len(st.tokens) - n_prompt  # tokens already committed after the prompt
+        nxt = reference[n_prompt + done : n_prompt + done + steps]
+        nxt = nxt + [0] * (steps - len(nxt))  # past the end of the reference: anything
+        if wrong:
+            nxt = [(t + 1) % vocab for t in nxt]
+        return Proposal(nxt, list(range(-1, steps - 1)), list(range(1, steps + 1)))
+
+    return propose
+
+
+def oracle_tree(reference: list[int], n_prompt: int, steps: int, vocab: int = 49152):
+    """A tree whose right path sits behind a wrong sibling at every depth (so the accepted path is
+    never a prefix of the verify input: exercises the KV-cache gather)."""
+
+    def propose(self, st):
+        done = len(st.tokens) - n_prompt
+        nxt = reference[n_prompt + done : n_prompt + done + steps]
+        nxt = nxt + [0] * (steps - len(nxt))
+        tokens, parents, depths = [], [], []
+        parent = -1
+        for j, t in enumerate(nxt):
+            tokens += [(t + 7) % vocab, t]  # wrong sibling first, then the right one
+            parents += [parent, parent]
+            depths += [j + 1, j + 1]
+            parent = len(tokens) - 1
+        return Proposal(tokens, parents, depths)
+
+    return propose

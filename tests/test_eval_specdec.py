@@ -1,0 +1,222 @@
+"""Speculative decoding over the tiny random Llama: greedy equivalence, tau accounting, KV-cache
+cropping/gathering, the tree proposal and the draft cache against slow recomputations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
+
+from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+
+PROMPTS = [[1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253], [1, 42], list(range(1, 40, 3))]
+N_NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny matrices gain nothing from a second thread, and OpenMP barriers crawl on a busy machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_tiny(tiny_llama_dir)  # fp32, re-drawn with a larger std: varied greedy outputs
+
+
+@pytest.fixture(scope="module")
+def draft(tiny):
+    return random_draft(tiny, draft_vocab=4096)
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    return [plain_greedy(tiny, p, N_NEW) for p in PROMPTS]
+
+
+def test_reference_is_not_degenerate(references):
+    # a target that repeats one token would hide cache bugs
+    assert all(len(set(r)) > N_NEW // 2 for r in references)
+
+
+@pytest.mark.parametrize("topk,ndt", [(1, None), (3, 7), (4, 12)])
+def test_greedy_equals_plain_with_random_draft(tiny, draft, references, topk, ndt):
+    with SpecDecoder(tiny, draft, set(), steps=3, topk=topk, num_draft_tokens=ndt) as sd:
+        for p, ref in zip(PROMPTS, references):
+            r = sd.generate(p, N_NEW)
+            assert r.output_ids == ref
+            assert r.verify_steps >= 1 and r.tau >= 1.0
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_rigged_draft_accepts_many_and_stays_exact(tiny, draft, references, kind):
+    steps = 3
+    with SpecDecoder(tiny, draft, set(), steps=steps, topk=1 if kind == "chain" else 2, num_draft_tokens=None if kind == "chain" else 7) as sd:
+        for p, ref in zip(PROMPTS, references):
+            make = oracle_chain if kind == "chain" else oracle_tree
+            sd.propose = make(p + ref, len(p), steps).__get__(sd)
+            r = sd.generate(p, N_NEW)
+            assert r.output_ids == ref  # multi-token acceptance + cache crop/gather keep it exact
+            # every round accepts all S drafts and adds the bonus, except where N_NEW truncates
+            full = (N_NEW - 1) // (steps + 1)
+            assert r.verify_steps == full + (1 if (N_NEW - 1) % (steps + 1) else 0)
+            assert r.tau > 1.0
+            assert r.accepted_per_position[0] == r.verify_steps
+
+
+def test_tau_accounting_exact(tiny, draft, references):
+    steps = 3
+    p, ref = PROMPTS[0], references[0]
+    n = 1 + 5 * (steps + 1)  # prefill token + 5 full rounds: no truncation at the end
+    with SpecDecoder(tiny, draft, set(), steps=steps) as sd:
+        sd.propose = oracle_chain(p + ref, len(p), steps).__get__(sd)
+        perfect = sd.generate(p, n)
+        assert perfect.output_ids == ref[:n]
+        assert perfect.tau == steps + 1 and perfect.verify_steps == 5
+        assert perfect.accepted_per_position == [5, 5, 5]
+        sd.propose = oracle_chain(p + ref, len(p), steps, wrong=True).__get__(sd)
+        wrong = sd.generate(p, N_NEW)
+        assert wrong.output_ids == ref
+        assert wrong.tau == 1.0 and wrong.verify_steps == N_NEW - 1
+        assert wrong.accepted_per_position == [0, 0, 0]
+
+
+def test_stops_at_eos(tiny, draft, references):
+    p, ref = PROMPTS[0], references[0]
+    eos = ref[5]  # pretend the 6th greedy token ends the answer
+    with SpecDecoder(tiny, draft, {eos}, steps=3) as sd:
+        sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
+        r = sd.generate(p, N_NEW)
+    cut = ref.index(eos) + 1
+    assert r.output_ids == ref[:cut] and r.finish_reason == "stop"
+    assert PlainDecoder(tiny, {eos}).generate(p, N_NEW).output_ids == ref[:cut]
+
+
+def test_draft_cache_matches_full_recompute(tiny, draft):
+    """Step-0 entry t = (token x_{t+1}, f_t, position t), built incrementally from prefill and
+    verification forwards, equals one causal draft pass over the whole committed sequence."""
+    p = PROMPTS[3]
+    with SpecDecoder(tiny, draft, set(), steps=3, topk=2, num_draft_tokens=6) as sd:
+        sd.generate(p, N_NEW)
+        st = sd.last_round
+        n = st.draft_k.shape[2]
+        toks = st.tokens
+        from eaglenest.evaluate.specdec import _new_cache
+
+        with torch.inference_mode():
+            _, aux = sd._target_forward(toks[:n], _new_cache(tiny))
+            ids = torch.tensor([toks[1 : n + 1]])
+            causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+            _, (k, v) = draft.step(ids, draft.fuse(aux[None]), torch.arange(n)[None], mask=causal)
+    assert n > len(p)
+    torch.testing.assert_close(st.draft_k, k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st.draft_v, v, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_proposal_scores_match_chain_recompute(tiny, draft):
+    """Every tree node's cumulative draft log-prob equals feeding its path one token at a time
+    (checks the tree attention mask, positions and hidden hand-over)."""
+    p = PROMPTS[0]
+    K, S = 3, 3
+    with SpecDecoder(tiny, draft, set(), steps=S, topk=K, num_draft_tokens=1 + K + (S - 1) * K * K) as sd:
+        sd.generate(p, 2)  # leaves last_round after the prefill extend + one round
+        st = sd.last_round
+        with torch.inference_mode():
+            prop = sd._propose_tree(st)
+            t2d_index = {int(t): i for i, t in enumerate(sd.draft_to_target.tolist())}
+            base = st.draft_k.shape[2] - 1
+            for i in range(len(prop.tokens)):
+                path = [i]
+                while prop.parents[path[-1]] >= 0:
+                    path.append(prop.parents[path[-1]])
+                path.reverse()
+                h, k_all, v_all, score = st.h_last, st.draft_k, st.draft_v, 0.0
+                for j, node in enumerate(path):
+                    lp = torch.log_softmax(draft.logits(h[0, -1]).float(), -1)
+                    score += float(lp[t2d_index[prop.tokens[node]]])
+                    if j < len(path) - 1:
+                        ids = torch.tensor([[prop.tokens[node]]])
+                        h, (k, v) = draft.step(ids, h, torch.tensor([[base + j + 1]]), past_kv=(k_all, v_all))
+                        k_all, v_all = torch.cat([k_all, k], 2), torch.cat([v_all, v], 2)
+                assert abs(score - prop.scores[i]) < 1e-3, (i, score, prop.scores[i])
+    assert len(prop.tokens) == K + (S - 1) * K * K
+    # parents come first and depths are consistent
+    for i, par in enumerate(prop.parents):
+        assert par < i and (par < 0 or prop.depths[par] == prop.depths[i] - 1)
+
+
+def test_sampled_generation_runs(tiny, draft):
+    for topk, ndt in [(1, None), (3, 8)]:
+        with SpecDecoder(tiny, draft, set(), steps=3, topk=topk, num_draft_tokens=ndt, temperature=0.8, seed=1) as sd:
+            r = sd.generate(PROMPTS[0], 16)
+        assert len(r.output_ids) == 16 and r.verify_steps >= 1
+        assert all(0 <= t < tiny.config.vocab_size for t in r.output_ids)
+    b = PlainDecoder(tiny, set(), temperature=0.8, seed=1).generate(PROMPTS[0], 16)
+    assert len(b.output_ids) == 16
+
+
+def test_num_draft_tokens_rules():
+    from eaglenest import EaglenestError
+
+    assert resolve_num_draft_tokens(3, 1, None) == 4
+    assert resolve_num_draft_tokens(3, 4, None) == 13
+    assert resolve_num_draft_tokens(2, 4, 21) == 21
+    with pytest.raises(EaglenestError, match="steps\\+1"):
+        resolve_num_draft_tokens(3, 1, 6)
+    with pytest.raises(EaglenestError, match="2..21"):
+        resolve_num_draft_tokens(2, 4, 22)
+
+
+def _bf16_linear_row_invariant() -> bool:
+    """Does this CPU's bf16 GEMM give row i the same bits whatever the number of rows (<= 8)?"""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 64, generator=g) * 0.1).bfloat16()
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    one = torch.cat([torch.nn.functional.linear(x[i : i + 1], w) for i in range(8)])
+    return all(torch.equal(torch.nn.functional.linear(x[:m], w), one[:m]) for m in (2, 4, 8))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_rowwise(tiny_llama_dir):
+    from eaglenest.evaluate import exact_attention
+
+    if not _bf16_linear_row_invariant():
+        pytest.skip("bf16 GEMM on this CPU is not row-invariant: exact bf16 equivalence cannot hold")
+    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    exact_attention.install(m)
+    return m
+
+
+def test_rowwise_attention_makes_chunks_bit_identical(tiny_bf16_rowwise):
+    """Feeding 4 tokens at once gives the same logits bits as feeding them one by one."""
+    from eaglenest.evaluate.specdec import _new_cache
+
+    m = tiny_bf16_rowwise
+    prompt, more = torch.tensor([PROMPTS[3]]), torch.tensor([[700, 800, 900, 1000]])
+    with torch.inference_mode():
+        c1, c4 = _new_cache(m), _new_cache(m)
+        m(input_ids=prompt, past_key_values=c1, use_cache=True)
+        m(input_ids=prompt, past_key_values=c4, use_cache=True)
+        one = torch.cat([m(input_ids=more[:, i : i + 1], past_key_values=c1, use_cache=True).logits for i in range(4)], 1)
+        four = m(input_ids=more, past_key_values=c4, use_cache=True).logits
+    assert torch.equal(one, four)
+
+
+def test_bf16_spec_equals_plain_exactly(tiny_bf16_rowwise):
+    m = tiny_bf16_rowwise
+    d = random_draft(m, draft_vocab=4096)
+    for p in PROMPTS:
+        ref = plain_greedy(m, p, N_NEW)
+        with SpecDecoder(m, d, set(), steps=3) as sd:
+            assert sd.generate(p, N_NEW).output_ids == ref
+            sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
+            r = sd.generate(p, N_NEW)
+            assert r.output_ids == ref and r.tau > 3
+        with SpecDecoder(m, d, set(), steps=3, topk=2, num_draft_tokens=7) as sd:
+            assert sd.generate(p, N_NEW).output_ids == ref
+            sd.propose = oracle_tree(p + ref, len(p), 3).__get__(sd)
+            r = sd.generate(p, N_NEW)
+            assert r.output_ids == ref and r.tau > 3
