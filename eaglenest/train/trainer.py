@@ -159,13 +159,14 @@ class Trainer:
             self.model.lm_head.weight.requires_grad_(False)
         self.model.set_vocab(d2t, t2d)
         self.model.to(self.device)
+        teacher_dtype = torch.bfloat16 if self.autocast and self.device_type == "cuda" else torch.float32
         self.teacher = Teacher(
             norm_weight=head["norm"].float() if meta.final_norm == "pre" else None,
             norm_eps=tcfg.rms_norm_eps,
-            lm_head=head["lm_head"].float(),
+            lm_head=head["lm_head"].to(teacher_dtype),  # bf16 on CUDA: no resident fp32 copy (2 GB at 8B)
             draft_rows=rows,
             t2d=t2d,
-            matmul_dtype=torch.bfloat16 if self.autocast and self.device_type == "cuda" else torch.float32,
+            matmul_dtype=teacher_dtype,
         ).to(self.device)
         from eaglenest.draft.model import ATTN_IMPLS, default_attn_impl
 

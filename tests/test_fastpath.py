@@ -1,0 +1,201 @@
+"""The fast attention paths (chunked online-softmax, flex) compute the same TTT loss and gradients
+as the plain reference path; layer recompute changes nothing; the loss keeps no [T, V] copies."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from eaglenest.draft.model import DraftConfig, Eagle3Draft, causal_attention_lse, causal_block_mask
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.train.ttt import Teacher, denominators, ttt_forward
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add OpenMP contention (60x slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def draft(n_head=4, n_kv=2, hd=8, H=32, V=300, Vd=120, seed=0, dtype=torch.float64):
+    cfg = DraftConfig(
+        hidden_size=H, intermediate_size=2 * H, num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=hd,
+        vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[1, 2, 3], target_num_layers=6,
+    )
+    torch.manual_seed(seed)
+    d = Eagle3Draft(cfg, embed_weight=torch.randn(V, H))
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    d.set_vocab(*build_vocab(torch.randint(0, 50, (V,)), Vd))
+    return d.to(dtype)
+
+
+def batch(d, lengths, seed=1, dtype=torch.float64):
+    """Right-padded batch (garbage in the padding) with a chat-like loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    V, Vd, H = d.cfg.vocab_size, d.cfg.draft_vocab_size, d.cfg.hidden_size
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, L in enumerate(lengths):
+        mask[b, L // 4 : L] = 1
+    aux = torch.randn(B, T, 3 * H, generator=g, dtype=dtype)
+    tlogp = torch.log_softmax(torch.randn(B, T, Vd, generator=g, dtype=dtype) * 2, -1)
+    targ = torch.randint(0, V, (B, T), generator=g)
+    return ids, mask, aux, tlogp, targ
+
+
+def loss_and_grads(d, b, ttt, **kw):
+    ids, mask, aux, tlogp, targ = b
+    loss, stats = ttt_forward(d, ids, aux, tlogp, targ, mask, ttt, denominators(mask, ttt), chunk=5, **kw)
+    params = [p for p in d.parameters() if p.requires_grad]
+    return loss, torch.autograd.grad(loss, params), stats
+
+
+@pytest.mark.parametrize(
+    "n_head,n_kv,lengths,ttt",
+    [(4, 2, [23, 17], 3), (8, 2, [40], 4), (4, 4, [9, 31, 20], 3), (2, 1, [33], 5)],
+)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chunked_equals_eager_loss_and_grads(n_head, n_kv, lengths, ttt, recompute):
+    d = draft(n_head=n_head, n_kv=n_kv)
+    b = batch(d, lengths)
+    ref, g_ref, s_ref = loss_and_grads(d, b, ttt)
+    # tiny chunks: many query chunks, several of them cut through the diagonal block
+    import eaglenest.draft.model as m
+
+    orig = m._chunk_rows
+    m._chunk_rows = lambda n_kv, g, T, budget: 7
+    try:
+        fast, g_fast, s_fast = loss_and_grads(d, b, ttt, attn_impl="chunked", recompute=recompute)
+    finally:
+        m._chunk_rows = orig
+    assert torch.allclose(fast, ref, rtol=1e-10, atol=1e-12), (fast, ref)
+    for a, r in zip(g_fast, g_ref):
+        assert torch.allclose(a, r, rtol=1e-8, atol=1e-11)
+    for k in s_ref:
+        assert s_fast[k] == pytest.approx(s_ref[k], rel=1e-9)
+
+
+def test_chunked_fp32_and_bf16_autocast_within_tolerance():
+    d = draft(n_head=8, n_kv=2, hd=16, H=64, dtype=torch.float64)
+    b64 = batch(d, [48, 30])
+    ref, g_ref, _ = loss_and_grads(d, b64, 3)
+    d32 = d.float()
+    b32 = tuple(x.float() if x.is_floating_point() else x for x in b64)
+    fast, g_fast, _ = loss_and_grads(d32, b32, 3, attn_impl="chunked", recompute=True)
+    fast, ref = float(fast.detach()), float(ref.detach())
+    assert abs(fast - ref) < 1e-5 * abs(ref)
+    for a, r in zip(g_fast, g_ref):
+        assert (a.double() - r).norm() <= 1e-4 * r.norm() + 1e-9
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the CUDA recipe's dtypes, on the CPU
+        eag, _, _ = loss_and_grads(d32, b32, 3)
+        fb, _, _ = loss_and_grads(d32, b32, 3, attn_impl="chunked")
+    assert abs(float(fb.detach()) - float(eag.detach())) < 2e-2 * abs(float(eag.detach()))
+
+
+def test_flex_forward_equals_eager():
+    """flex has no CPU backward: compare the loss (no grad) here; tests/test_fastpath_cuda covers grads."""
+    d = draft(n_head=4, n_kv=2)
+    ids, mask, aux, tlogp, targ = batch(d, [37, 21])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref, _ = ttt_forward(d, ids, aux, tlogp, targ, mask, 4, denominators(mask, 4))
+        fl, _ = ttt_forward(d, ids, aux, tlogp, targ, mask, 4, denominators(mask, 4), attn_impl="flex")
+    assert torch.allclose(fl, ref, rtol=1e-6), (fl, ref)  # flex keeps lse in fp32
+
+
+def test_causal_block_mask_matches_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for T in (1, 127, 128, 300):
+        ref = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu")
+        assert torch.equal(causal_block_mask(T, "cpu").to_dense(), ref.to_dense())
+
+
+def test_chunked_kernel_lse_gradient():
+    """(out, lse) of the chunked kernel, with a gradient through lse (the merge needs it)."""
+    torch.manual_seed(0)
+    B, kv, g, T, hd = 2, 2, 3, 29, 8
+    q = torch.randn(B, kv, g, T, hd, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, kv, T, hd, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, kv, T, hd, dtype=torch.float64, requires_grad=True)
+    sc = 1 / math.sqrt(hd)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def ref():
+        s = (q @ k.unsqueeze(2).transpose(-1, -2) * sc).masked_fill(~causal, float("-inf"))
+        return torch.softmax(s, -1) @ v.unsqueeze(2), s.logsumexp(-1)
+
+    def f(out, lse):
+        return (out * torch.linspace(-1, 1, hd, dtype=torch.float64)).sum() + (lse * lse).sum()
+
+    gr = torch.autograd.grad(f(*ref()), (q, k, v))
+    gf = torch.autograd.grad(f(*causal_attention_lse(q, k, v, sc, "chunked", chunk_elems=100)), (q, k, v))
+    for a, b in zip(gf, gr):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_fast_path_rejects_decode_pattern():
+    d = draft()
+    ids = torch.randint(0, 300, (1, 4))
+    h = torch.randn(1, 4, 32, dtype=torch.float64)
+    pos = torch.arange(4)[None]
+    _, kv = d.step(ids, h, pos, attn_impl="chunked")
+    with pytest.raises(ValueError, match="training pattern"):
+        d.step(ids, h, pos + 4, past_kv=kv, attn_impl="chunked")
+
+
+def test_teacher_is_computed_once_and_not_copied_per_step():
+    """No [T, Vd] tensor is saved for backward per TTT step: saved-tensor bytes grow with ttt by
+    about the per-step activations only (hidden-sized), not by the teacher's size."""
+    d = draft(H=16, V=2500, Vd=2000, n_head=2, n_kv=1, hd=8, dtype=torch.float32)
+    ids, mask, aux, tlogp, targ = batch(d, [64], dtype=torch.float32)
+
+    def saved_bytes(ttt):
+        seen = {}
+
+        def pack(t):
+            seen[(t.data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ttt_forward(d, ids, aux, tlogp, targ, mask, ttt, denominators(mask, ttt), chunk=16, attn_impl="chunked")
+        return sum(v for (ptr, n), v in seen.items() if ptr != tlogp.data_ptr())
+
+    per_step = saved_bytes(3) - saved_bytes(2)
+    teacher_bytes = tlogp.numel() * 4
+    assert per_step < teacher_bytes / 2, (per_step, teacher_bytes)
+
+
+def test_teacher_targets_chunked_bf16():
+    g = torch.Generator().manual_seed(0)
+    V, H, Vd = 500, 32, 200
+    W = torch.randn(V, H, generator=g)
+    rows = torch.randperm(V, generator=g)[:Vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[rows] = True
+    h = torch.randn(50, H, generator=g)
+    t = Teacher(None, 1e-6, W, rows, t2d)
+    logp, arg = t.targets(h, chunk=7)
+    assert torch.allclose(logp, torch.log_softmax(h @ W[rows].T, -1), atol=1e-5)
+    assert torch.equal(arg, (h @ W.T).argmax(-1))
+    tb = Teacher(None, 1e-6, W, rows, t2d, matmul_dtype=torch.bfloat16)
+    lb, ab = tb.targets(h)
+    assert (lb - logp).abs().max() < 0.2 and (ab == arg).float().mean() > 0.9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward is CUDA-only)")
+@pytest.mark.parametrize("impl", ["flex", "chunked"])
+def test_cuda_fast_paths_equal_eager(impl):
+    d = draft(n_head=8, n_kv=2, hd=16, H=64, dtype=torch.float32).cuda()
+    b = tuple(x.cuda() for x in batch(d, [150, 90], dtype=torch.float32))
+    ref, g_ref, _ = loss_and_grads(d, b, 4)
+    fast, g_fast, _ = loss_and_grads(d, b, 4, attn_impl=impl, recompute=True)
+    assert abs(float(fast) - float(ref)) < 1e-4 * abs(float(ref))
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).norm() <= 2e-3 * r.norm() + 1e-7
