@@ -25,7 +25,7 @@ PRESETS = {
         "max_length": 512,
         "ttt_steps": 3,
         "draft_vocab": 8192,
-        "lr": 2e-3,
+        "lr": 1e-3,
         "epochs": 2,
         "batch_tokens": 2048,
         "freeze_head": True,

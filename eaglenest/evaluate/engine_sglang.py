@@ -253,6 +253,7 @@ def run_eval(args) -> dict:
     report.update(summarize(records, steps))
     report.setdefault("baseline_tokens_per_s", None)
     report.setdefault("speedup", None)
+    report["baseline_prompts"] = len({r["id"] for r in records if "baseline_tokens" in r})
     if base_records is not None and temp <= 0:
         report["greedy_matches_baseline"] = not mismatches
         report["greedy_mismatches"] = mismatches
