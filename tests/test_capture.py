@@ -1,7 +1,6 @@
 """HF capture on the real SmolLM2: the right layers, the right norm, token-exact, resumable
 after SIGKILL, and a store that detects damage."""
 
-import os
 import signal
 import subprocess
 import sys

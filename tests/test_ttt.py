@@ -4,7 +4,6 @@ alignment; fast path == reference path in loss and gradients."""
 import math
 
 import torch
-import torch.nn.functional as F
 
 from eaglenest.draft.model import DraftConfig, Eagle3Draft, apply_rope
 from eaglenest.draft.vocab import build_vocab

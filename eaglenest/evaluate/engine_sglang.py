@@ -98,7 +98,7 @@ def run_eval(args) -> dict:
         response_items,
     )
     from eaglenest.evaluate.mtbench import load_bench
-    from eaglenest.evaluate.run import _answer_text, _first_difference, chat_prompt_ids, summarize
+    from eaglenest.evaluate.run import _answer_text, chat_prompt_ids, finish_report, merge_server_baseline
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
     from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -218,17 +218,7 @@ def run_eval(args) -> dict:
         finally:
             bclient.close()
 
-    mismatches = []
-    if base_records is not None:
-        for r, b in zip(records, base_records):
-            r["baseline_tokens"] = b["generated_tokens"]
-            r["baseline_wall_s"] = b["wall_s"]
-            if temp <= 0:
-                same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
-                r["matches_baseline"] = same
-                if not same:
-                    mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"],
-                                                        r["output_ids"], b["output_ids"]))
+    mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
     report = {
         "engine": "sglang",
         "dataset": dataset,
@@ -250,21 +240,7 @@ def run_eval(args) -> dict:
         "device": "SGLang server",
         "dtype": a.dtype,
     }
-    report.update(summarize(records, steps))
-    report.setdefault("baseline_tokens_per_s", None)
-    report.setdefault("speedup", None)
-    report["baseline_prompts"] = len({r["id"] for r in records if "baseline_tokens" in r})
-    if base_records is not None and temp <= 0:
-        report["greedy_matches_baseline"] = not mismatches
-        report["greedy_mismatches"] = mismatches
-    else:
-        report["greedy_matches_baseline"] = None
-    report["per_prompt"] = [
-        {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
-                              "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
-                              "baseline_tokens", "matches_baseline") if k in rec}
-        for rec in records
-    ]
+    finish_report(report, records, steps, mismatches)
     vsteps = sum(r["verify_steps"] for r in records)
     report["sglang_version"] = version
     report["sglang_urls"] = urls

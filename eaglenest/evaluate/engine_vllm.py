@@ -83,7 +83,7 @@ def run_eval(args) -> dict:
         server_command,
     )
     from eaglenest.evaluate.mtbench import load_bench
-    from eaglenest.evaluate.run import _answer_text, _first_difference, check_draft_fits, chat_prompt_ids, summarize
+    from eaglenest.evaluate.run import _answer_text, check_draft_fits, chat_prompt_ids, finish_report, merge_server_baseline
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -211,17 +211,7 @@ def run_eval(args) -> dict:
         finally:
             bserver.stop()
 
-    mismatches = []
-    if base_records is not None:
-        for r, b in zip(records, base_records):
-            r["baseline_tokens"] = b["generated_tokens"]
-            r["baseline_wall_s"] = b["wall_s"]
-            if temp <= 0:
-                same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
-                r["matches_baseline"] = same
-                if not same:
-                    mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"],
-                                                        r["output_ids"], b["output_ids"]))
+    mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
 
     report = {
         "engine": "vllm",
@@ -245,21 +235,7 @@ def run_eval(args) -> dict:
         "dtype": a.dtype,
         "attention": "vllm",  # vLLM's own attention backend for the platform
     }
-    report.update(summarize(records, steps))
-    report.setdefault("baseline_tokens_per_s", None)
-    report.setdefault("speedup", None)
-    report["baseline_prompts"] = len({r["id"] for r in records if "baseline_tokens" in r})
-    if base_records is not None and temp <= 0:
-        report["greedy_matches_baseline"] = not mismatches
-        report["greedy_mismatches"] = mismatches
-    else:
-        report["greedy_matches_baseline"] = None
-    report["per_prompt"] = [
-        {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
-                              "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
-                              "baseline_tokens", "matches_baseline") if k in rec}
-        for rec in records
-    ]
+    finish_report(report, records, steps, mismatches)
     report["vllm_version"] = version
     report["vllm_server_start_s"] = server_times
     report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"

@@ -307,22 +307,42 @@ class HFEvaluator:
             "dtype": a.dtype,
             "attention": target.config._attn_implementation,
         }
-        report.update(summarize(records, steps))
-        report.setdefault("baseline_tokens_per_s", None)
-        report.setdefault("speedup", None)
-        report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
-        if plain and temp <= 0:
-            report["greedy_matches_baseline"] = not mismatches
-            report["greedy_mismatches"] = mismatches
-        else:
-            report["greedy_matches_baseline"] = None
-        report["per_prompt"] = [
-            {k: rec[k] for k in ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens",
-                                  "accepted_per_position", "finish_reason", "wall_s", "baseline_wall_s",
-                                  "baseline_tokens", "matches_baseline") if k in rec}
-            for rec in records
-        ]
-        return report
+        return finish_report(report, records, steps, mismatches if plain and temp <= 0 else None)
+
+
+PER_PROMPT_KEYS = ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens", "accepted_per_position",
+                   "finish_reason", "wall_s", "baseline_wall_s", "baseline_tokens", "matches_baseline")
+
+
+def finish_report(report: dict, records: list[dict], steps: int, mismatches: list[dict] | None) -> dict:
+    """The fields every engine's report shares, from its per-generation records.
+    `mismatches` is None when no greedy baseline was compared."""
+    report.update(summarize(records, steps))
+    report.setdefault("baseline_tokens_per_s", None)
+    report.setdefault("speedup", None)
+    report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
+    report["greedy_matches_baseline"] = None if mismatches is None else not mismatches
+    if mismatches is not None:
+        report["greedy_mismatches"] = mismatches
+    report["per_prompt"] = [{k: rec[k] for k in PER_PROMPT_KEYS if k in rec} for rec in records]
+    return report
+
+
+def merge_server_baseline(records: list[dict], base_records: list[dict] | None, greedy: bool) -> list[dict] | None:
+    """Attach a server's non-speculative run to the speculative records; return the greedy
+    mismatches (None when there is nothing to compare)."""
+    if base_records is None:
+        return None
+    mismatches = []
+    for r, b in zip(records, base_records):
+        r["baseline_tokens"] = b["generated_tokens"]
+        r["baseline_wall_s"] = b["wall_s"]
+        if greedy:
+            same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
+            r["matches_baseline"] = same
+            if not same:
+                mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"], r["output_ids"], b["output_ids"]))
+    return mismatches if greedy else None
 
 
 def _answer_text(tok, output_ids: list[int], eos: set[int]) -> str:
