@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub) -> None:
-    from eaglenest.engines import engine_modules
+    from eaglenest.engines import add_engine_arguments, engine_modules
 
     engines = engine_modules()
     p = sub.add_parser(
@@ -28,10 +28,7 @@ def register(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print tokens to process and disk needed, then stop")
     p.add_argument("--ignore-disk", action="store_true", help="start even if the disk estimate exceeds free space")
     p.add_argument("--max-failures", type=int, default=None, help="stop once more samples than this have failed")
-    for name, mod in sorted(engines.items()):
-        if hasattr(mod, "add_arguments"):
-            g = p.add_argument_group(f"{name} engine")
-            mod.add_arguments(g)
+    add_engine_arguments(p, engines)
     p.set_defaults(func=_run)
 
 

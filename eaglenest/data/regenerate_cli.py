@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub) -> None:
-    from eaglenest.engines import engine_modules
+    from eaglenest.engines import add_engine_arguments, engine_modules
 
     engines = {n: m for n, m in engine_modules().items()}
     p = sub.add_parser(
@@ -33,10 +33,7 @@ def register(sub) -> None:
     p.add_argument("--max-failures", type=int, default=None, help="stop once more samples than this have failed")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="model dtype")
     p.add_argument("--layers", default="auto", help=argparse.SUPPRESS)
-    for name, mod in sorted(engines.items()):
-        if hasattr(mod, "add_arguments"):
-            g = p.add_argument_group(f"{name} engine")
-            mod.add_arguments(g)
+    add_engine_arguments(p, engines)
     p.set_defaults(func=_run)
 
 

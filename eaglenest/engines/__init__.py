@@ -31,3 +31,10 @@ def get_engine_module(name: str):
     if name not in mods:
         raise EaglenestError(f"unknown engine '{name}' (available: {', '.join(sorted(mods))})")
     return mods[name]
+
+
+def add_engine_arguments(parser, engines: dict | None = None) -> None:
+    """One argument group per engine (each engine's flags carry its own prefix)."""
+    for name, mod in sorted((engines or engine_modules()).items()):
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(parser.add_argument_group(f"{name} engine"))
