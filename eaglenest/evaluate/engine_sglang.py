@@ -97,8 +97,7 @@ def run_eval(args) -> dict:
         generate_sampling,
         response_items,
     )
-    from eaglenest.evaluate.mtbench import load_bench
-    from eaglenest.evaluate.run import _answer_text, chat_prompt_ids, finish_report, merge_server_baseline
+    from eaglenest.evaluate.run import _answer_text, load_prompts, chat_prompt_ids, finish_report, merge_server_baseline
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
     from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -108,13 +107,7 @@ def run_eval(args) -> dict:
     urls, base_urls = _urls(a)
     steps, topk, temp = int(a.steps), int(a.topk), float(a.temperature)
     ndt = resolve_num_draft_tokens(steps, topk, a.num_draft_tokens)
-    if a.max_new_tokens < 1:
-        raise EaglenestError("--max-new-tokens must be >= 1")
-    dataset, prompts = load_bench(a.bench)
-    if a.limit is not None:
-        prompts = prompts[: a.limit]
-    if not prompts:
-        raise EaglenestError("no prompts to evaluate (check --limit)")
+    dataset, prompts = load_prompts(a)
     path = resolve_model_path(a.model)
     tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))
     tcfg = load_config(a.model, getattr(a, "trust_remote_code", False))

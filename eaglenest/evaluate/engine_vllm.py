@@ -82,8 +82,7 @@ def run_eval(args) -> dict:
         finish_generated,
         server_command,
     )
-    from eaglenest.evaluate.mtbench import load_bench
-    from eaglenest.evaluate.run import _answer_text, check_draft_fits, chat_prompt_ids, finish_report, merge_server_baseline
+    from eaglenest.evaluate.run import _answer_text, load_prompts, check_draft_fits, chat_prompt_ids, finish_report, merge_server_baseline
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -95,13 +94,7 @@ def run_eval(args) -> dict:
         raise EaglenestError("vLLM drafts EAGLE-3 as a chain: use --topk 1 with --engine vllm")
     if a.num_draft_tokens not in (None, steps + 1):
         raise EaglenestError(f"vLLM verifies steps+1 = {steps + 1} tokens per round; drop --num-draft-tokens")
-    if a.max_new_tokens < 1:
-        raise EaglenestError("--max-new-tokens must be >= 1")
-    dataset, prompts = load_bench(a.bench)
-    if a.limit is not None:
-        prompts = prompts[: a.limit]
-    if not prompts:
-        raise EaglenestError("no prompts to evaluate (check --limit)")
+    dataset, prompts = load_prompts(a)
 
     path = resolve_model_path(a.model)
     tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))

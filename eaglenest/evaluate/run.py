@@ -188,7 +188,6 @@ class HFEvaluator:
     def run(self) -> dict:
         import torch
 
-        from eaglenest.evaluate.mtbench import load_bench
         from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
         from eaglenest.models.target import load_config, load_target, load_tokenizer, resolve_model_path
         from eaglenest.utils import progress, resolve_device
@@ -196,13 +195,7 @@ class HFEvaluator:
         a = self.args
         steps, topk, temp = a.steps, a.topk, float(a.temperature)
         ndt = resolve_num_draft_tokens(steps, topk, a.num_draft_tokens)  # fail before loading anything
-        if a.max_new_tokens < 1:
-            raise EaglenestError("--max-new-tokens must be >= 1")
-        dataset, prompts = load_bench(a.bench)
-        if a.limit is not None:
-            prompts = prompts[: a.limit]
-        if not prompts:
-            raise EaglenestError("no prompts to evaluate (check --limit)")
+        dataset, prompts = load_prompts(a)
 
         torch.manual_seed(a.seed)
         device = resolve_device(a.device)
@@ -308,6 +301,20 @@ class HFEvaluator:
             "attention": target.config._attn_implementation,
         }
         return finish_report(report, records, steps, mismatches if plain and temp <= 0 else None)
+
+
+def load_prompts(a) -> tuple[str, list]:
+    """The benchmark's prompts after --limit, with the checks every evaluator needs."""
+    from eaglenest.evaluate.mtbench import load_bench
+
+    if a.max_new_tokens < 1:
+        raise EaglenestError("--max-new-tokens must be >= 1")
+    dataset, prompts = load_bench(a.bench)
+    if a.limit is not None:
+        prompts = prompts[: a.limit]
+    if not prompts:
+        raise EaglenestError("no prompts to evaluate (check --limit)")
+    return dataset, prompts
 
 
 PER_PROMPT_KEYS = ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens", "accepted_per_position",
