@@ -169,3 +169,41 @@ def resolve_device(device: str | None) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EaglenestError(f"--device {device} requested but CUDA is not available")
     return device
+
+
+def machine_info() -> dict:
+    """Where a measurement ran: platform, CPU or GPU model, versions, load (for reports and benchmarks)."""
+    import platform
+
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["device"] = info["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        info["device"] = "cpu"
+        try:
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    try:
+        info["load_average_at_start"] = os.getloadavg()  # other jobs on the machine skew CPU timings
+    except OSError:
+        pass
+    return info

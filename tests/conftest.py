@@ -57,3 +57,13 @@ def smol_data(tmp_path_factory, smollm2) -> Path:
     out = tmp_path_factory.mktemp("smol_data")
     prepare(model=str(smollm2), data=["sharegpt:"], out=out, max_length=256, limit=24, verbose=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory) -> Path:
+    """`eaglenest demo --quick` run once per session (its draft is also what the vLLM agreement test serves)."""
+    from eaglenest.cli import main
+
+    out = tmp_path_factory.mktemp("quick_demo") / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--device", "cpu"]) == 0
+    return out

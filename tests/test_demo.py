@@ -10,9 +10,8 @@ from eaglenest.cli import main
 pytestmark = pytest.mark.slow
 
 
-def test_demo_quick_end_to_end(tmp_path):
-    out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out), "--device", "cpu"]) == 0
+def test_demo_quick_end_to_end(quick_demo):
+    out = quick_demo
     r = json.loads((out / "report.json").read_text())
     for f in ("report.md", "loss.png", "acc.png", "draft/config.json", "draft/model.safetensors"):
         assert (out / f).exists(), f

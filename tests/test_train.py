@@ -146,3 +146,41 @@ def test_export_contract_and_check(tiny_llama_dir, tiny_store, tmp_path):
     save_file(sd, str(out / "model.safetensors"))
     errors, _ = check_draft(out, tiny_llama_dir)
     assert any("t2d" in e for e in errors) and any("embed_tokens" in e for e in errors)
+
+
+def test_sigkill_at_several_points_then_resume_reproduces_losses(tiny_llama_dir, tiny_store, tmp_path):
+    """`eaglenest train` killed with SIGKILL (no cleanup runs) at several moments -- mid-step, around
+    checkpoint writes -- and re-run with --resume each time ends with the uninterrupted run's losses."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    full = tmp_path / "full"
+    Trainer(cfg(tiny_llama_dir, tiny_store, full, max_steps=12)).fit()
+    run = tmp_path / "killed"
+    argv = [sys.executable, "-m", "eaglenest", "train", "--model", str(tiny_llama_dir), "--features", str(tiny_store),
+            "--out", str(run), "--ttt-steps", "3", "--draft-vocab", "500", "--max-steps", "12", "--lr", "3e-3",
+            "--batch-tokens", "256", "--grad-accum", "2", "--eval-fraction", "0.2", "--device", "cpu", "--save-every", "2"]
+    log = run / "metrics.jsonl"
+    kills = []
+    for i, at_lines in enumerate((2, 5, 9)):  # kill once the log holds this many steps
+        p = subprocess.Popen(argv + (["--resume"] if i else []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None:
+            if log.exists() and len(log.read_bytes().splitlines()) >= at_lines:
+                break
+            time.sleep(0.002)
+        assert p.poll() is None, "the run finished before it could be killed"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        latest = run / "checkpoints" / "latest.json"
+        kills.append((len(log.read_bytes().splitlines()), json.loads(latest.read_text())["step"] if latest.exists() else 0))
+    r = subprocess.run(argv + ["--resume"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = losses(full), losses(run)
+    assert len(b) == 12 and [json.loads(x)["step"] for x in log.read_text().splitlines()] == list(range(1, 13))
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-7), kills
+    assert kills[-1][1] >= 4, kills  # the kills really landed mid-run, after some checkpoints
+    assert not list((run / "checkpoints").glob("*.partial"))  # a checkpoint torn by a kill is rewritten on resume
+    print("kills (log lines, checkpoint step):", kills)

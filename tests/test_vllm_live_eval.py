@@ -4,8 +4,9 @@ reports tau from /metrics with the in-process evaluator's report keys.
 Until a trained draft is given, a random-init draft exported with `save_draft` is served: it must
 load (sharing the target's embeddings), its acceptance is ~0 (tau ~1.0, the same as the
 in-process evaluator measures on it), and greedy outputs must equal the non-speculative server's.
-With EAGLENEST_VLLM_AGREEMENT_DRAFT=DIR (a trained draft), the vLLM tau must be within 5 % of the
-in-process tau on the same prompts (3 steps, greedy).
+The demo's trained draft (the session's `demo --quick` run, or EAGLENEST_VLLM_AGREEMENT_DRAFT=DIR)
+must be accepted by vLLM exactly as by our decoder in fp32 (prompt by prompt) and within 5 % in
+bf16 (3 steps, greedy, the same MT-bench prompts).
 """
 
 from __future__ import annotations
@@ -67,14 +68,42 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])
 
 
-@pytest.mark.skipif(not os.environ.get("EAGLENEST_VLLM_AGREEMENT_DRAFT"),
-                    reason="set EAGLENEST_VLLM_AGREEMENT_DRAFT=DRAFT_DIR (a trained draft) to check tau agreement")
-def test_tau_agreement_with_trained_draft(smollm2, bench, tmp_path):
+def _same_text(rv: dict, rh: dict) -> list[tuple[dict, dict]]:
+    pairs = list(zip(rv["per_prompt"], rh["per_prompt"]))
+    assert [v["id"] for v, _ in pairs] == [h["id"] for _, h in pairs]
+    return [(v, h) for v, h in pairs if v["output_ids"] == h["output_ids"]]
+
+
+def test_tau_agreement_with_the_demo_draft(smollm2, quick_demo, tmp_path):
+    """The demo's trained draft (`demo --quick`'s, or EAGLENEST_VLLM_AGREEMENT_DRAFT=DIR) served by
+    vLLM and run by our decoder on the same MT-bench prompts, 3 steps, greedy.
+
+    fp32 separates wiring from numerics: both engines then write the same text, so a draft that
+    vLLM runs exactly as we do is accepted at the same positions, prompt by prompt (measured: all
+    prompts identical, per-position counts equal).  bf16 is what users run: the tau values must
+    agree within 5 %.  Measured here with the quick draft, 10 prompts x 64 tokens: fp32 vLLM 1.113,
+    ours 1.113, 10/10 texts identical; bf16 vLLM 1.101, ours 1.137 (3.2 %), 2/10 texts identical
+    (two bf16 implementations of the target greedy-decode different text)."""
     from eaglenest.evaluate.run import evaluate
 
-    draft = Path(os.environ["EAGLENEST_VLLM_AGREEMENT_DRAFT"])
-    kw = dict(max_new_tokens=64, no_baseline=True)
-    rv = evaluate(_args(smollm2, draft, bench, tmp_path / "vllm.json", "vllm", **kw))
-    rh = evaluate(_args(smollm2, draft, bench, tmp_path / "hf.json", "hf", **kw))
-    print(f"tau vllm {rv['tau']:.3f} hf {rh['tau']:.3f}; per position vllm {rv['accept_per_position']} hf {rh['accept_per_position']}")
-    assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"]
+    draft = Path(os.environ.get("EAGLENEST_VLLM_AGREEMENT_DRAFT") or quick_demo / "draft")
+    kw = dict(limit=10, max_new_tokens=64, no_baseline=True)
+    r = {}
+    for dtype in ("fp32", "bf16"):
+        for eng in ("vllm", "hf"):
+            r[dtype, eng] = evaluate(_args(smollm2, draft, "mtbench", tmp_path / f"{eng}-{dtype}.json", eng, dtype=dtype, **kw))
+        rv, rh = r[dtype, "vllm"], r[dtype, "hf"]
+        same = _same_text(rv, rh)
+        print(f"{dtype}: tau vllm {rv['tau']:.3f} hf {rh['tau']:.3f}; per position vllm {rv['accept_per_position']} "
+              f"hf {rh['accept_per_position']}; identical outputs {len(same)}/{len(rv['per_prompt'])}")
+    rv, rh = r["fp32", "vllm"], r["fp32", "hf"]
+    same = _same_text(rv, rh)
+    assert len(same) >= len(rv["per_prompt"]) - 1, "fp32 greedy text should not depend on the engine"
+    acc_v = [sum(v["accepted_per_position"][i] for v, _ in same) for i in range(3)]
+    acc_h = [sum(h["accepted_per_position"][i] for _, h in same) for i in range(3)]
+    steps_v, steps_h = sum(v["verify_steps"] for v, _ in same), sum(h["verify_steps"] for _, h in same)
+    assert acc_v[0] > 0, "the trained draft should be accepted sometimes"
+    assert abs(steps_v - steps_h) <= 0.02 * steps_h and all(abs(x - y) <= max(1, 0.03 * y) for x, y in zip(acc_v, acc_h)), (acc_v, acc_h)
+    assert abs(rv["tau"] - rh["tau"]) <= 0.02 * rh["tau"], (rv["tau"], rh["tau"])
+    rv, rh = r["bf16", "vllm"], r["bf16", "hf"]
+    assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])

@@ -72,6 +72,13 @@ class Engine(ABC):
     def close(self) -> None:
         pass
 
+    def _server_info(self, final_norm: str, **extra) -> EngineInfo:
+        """info() for the server engines, which keep path/hidden_size/num_layers/vocab_size/layer_ids."""
+        from eaglenest.models.target import target_fingerprint
+
+        return EngineInfo(str(self.path), target_fingerprint(self.path), self.hidden_size, self.num_layers,
+                          self.vocab_size, list(self.layer_ids), final_norm, extra)
+
     def __enter__(self):
         return self
 

@@ -375,18 +375,8 @@ class SGLangEngine(Engine):
         return f"{prefix}{self.session}-{n}-a{attempt}"
 
     def info(self) -> EngineInfo:
-        from eaglenest.models.target import target_fingerprint
-
-        return EngineInfo(
-            target=str(self.path),
-            target_fingerprint=target_fingerprint(self.path),
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            vocab_size=self.vocab_size,
-            layer_ids=self.layer_ids,
-            final_norm="post",  # SGLang's model forward returns the state after the final norm
-            extra={"urls": self.client.urls, "mode": self.mode, "target_sglang_version": TARGET_SGLANG_VERSION},
-        )
+        # SGLang's model forward returns the state after the final norm
+        return self._server_info("post", urls=self.client.urls, mode=self.mode, target_sglang_version=TARGET_SGLANG_VERSION)
 
     def close(self) -> None:
         self.client.close()

@@ -559,18 +559,8 @@ class VLLMEngine(Engine):
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def info(self) -> EngineInfo:
-        from eaglenest.models.target import target_fingerprint
-
-        return EngineInfo(
-            target=str(self.path),
-            target_fingerprint=target_fingerprint(self.path),
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            vocab_size=self.vocab_size,
-            layer_ids=self.layer_ids,
-            final_norm="pre",  # vLLM's id N is the last layer's output before the final norm
-            extra={"urls": self.urls or "started", "extract_layer_ids": [*self.layer_ids, self.num_layers]},
-        )
+        # vLLM's id N is the last layer's output before the final norm
+        return self._server_info("pre", urls=self.urls or "started", extract_layer_ids=[*self.layer_ids, self.num_layers])
 
     def _map(self, fn, batch: list[Request]) -> list:
         if len(batch) == 1 or self.concurrency == 1:

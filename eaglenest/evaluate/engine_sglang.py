@@ -97,7 +97,7 @@ def run_eval(args) -> dict:
         generate_sampling,
         response_items,
     )
-    from eaglenest.evaluate.run import _answer_text, load_prompts, chat_prompt_ids, finish_report, merge_server_baseline
+    from eaglenest.evaluate.run import _answer_text, chat_prompt_ids, finish_report, load_prompts, merge_server_baseline, report_header
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
     from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -212,27 +212,8 @@ def run_eval(args) -> dict:
             bclient.close()
 
     mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
-    report = {
-        "engine": "sglang",
-        "dataset": dataset,
-        "n_prompts": len(prompts),
-        "turns": a.turns,
-        "n_generations": len(records),
-        "steps": steps,
-        "topk": topk,
-        "num_draft_tokens": ndt,
-        "temperature": temp,
-        "batch_size": 1,
-        "max_new_tokens": a.max_new_tokens,
-        "seed": a.seed,
-        "target": str(a.model),
-        "target_path": str(path),
-        "draft": str(a.draft),
-        "aux_layer_ids": aux_ids,
-        "draft_vocab_size": draft_vocab,
-        "device": "SGLang server",
-        "dtype": a.dtype,
-    }
+    report = report_header("sglang", a, dataset, len(prompts), records, steps=steps, topk=topk, ndt=ndt, path=path,
+                           aux_ids=aux_ids, draft_vocab=draft_vocab, device="SGLang server")
     finish_report(report, records, steps, mismatches)
     vsteps = sum(r["verify_steps"] for r in records)
     report["sglang_version"] = version

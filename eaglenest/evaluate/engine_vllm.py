@@ -82,7 +82,9 @@ def run_eval(args) -> dict:
         finish_generated,
         server_command,
     )
-    from eaglenest.evaluate.run import _answer_text, load_prompts, check_draft_fits, chat_prompt_ids, finish_report, merge_server_baseline
+    from eaglenest.evaluate.run import (
+        _answer_text, chat_prompt_ids, check_draft_fits, finish_report, load_prompts, merge_server_baseline, report_header,
+    )
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import load_tokenizer, resolve_model_path
     from eaglenest.utils import progress
@@ -206,28 +208,9 @@ def run_eval(args) -> dict:
 
     mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
 
-    report = {
-        "engine": "vllm",
-        "dataset": dataset,
-        "n_prompts": len(prompts),
-        "turns": a.turns,
-        "n_generations": len(records),
-        "steps": steps,
-        "topk": 1,
-        "num_draft_tokens": steps + 1,
-        "temperature": temp,
-        "batch_size": 1,
-        "max_new_tokens": a.max_new_tokens,
-        "seed": a.seed,
-        "target": str(a.model),
-        "target_path": str(path),
-        "draft": str(a.draft),
-        "aux_layer_ids": list(dcfg.aux_layer_ids),
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "device": "cpu (vLLM)",
-        "dtype": a.dtype,
-        "attention": "vllm",  # vLLM's own attention backend for the platform
-    }
+    report = report_header("vllm", a, dataset, len(prompts), records, steps=steps, topk=1, ndt=steps + 1, path=path,
+                           aux_ids=dcfg.aux_layer_ids, draft_vocab=dcfg.draft_vocab_size, device="cpu (vLLM)",
+                           attention="vllm")  # vLLM's own attention backend for the platform
     finish_report(report, records, steps, mismatches)
     report["vllm_version"] = version
     report["vllm_server_start_s"] = server_times

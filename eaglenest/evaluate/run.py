@@ -9,9 +9,7 @@ and imported only when chosen, so a missing/heavy engine never slows the CLI dow
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -123,28 +121,6 @@ def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
     return draft
 
 
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def summarize(records: list[dict], steps: int) -> dict:
     """Aggregate per-generation records into the report's totals."""
     gen = sum(r["generated_tokens"] for r in records)
@@ -248,6 +224,7 @@ class HFEvaluator:
                         "accepted_per_position": r.accepted_per_position,
                         "finish_reason": r.finish_reason,
                         "wall_s": r.wall_s,
+                        "output_ids": r.output_ids,
                     }
                     t_spec += r.wall_s
                     n_spec += len(r.output_ids)
@@ -278,28 +255,9 @@ class HFEvaluator:
             bar.close()
             spec.close()
 
-        report = {
-            "engine": "hf",
-            "dataset": dataset,
-            "n_prompts": len(prompts),
-            "turns": a.turns,
-            "n_generations": len(records),
-            "steps": steps,
-            "topk": topk,
-            "num_draft_tokens": ndt,
-            "temperature": temp,
-            "batch_size": 1,
-            "max_new_tokens": a.max_new_tokens,
-            "seed": a.seed,
-            "target": str(a.model),
-            "target_path": str(path),
-            "draft": str(a.draft),
-            "aux_layer_ids": list(draft.cfg.aux_layer_ids),
-            "draft_vocab_size": draft.cfg.draft_vocab_size,
-            "device": device,
-            "dtype": a.dtype,
-            "attention": target.config._attn_implementation,
-        }
+        report = report_header("hf", a, dataset, len(prompts), records, steps=steps, topk=topk, ndt=ndt, path=path,
+                               aux_ids=draft.cfg.aux_layer_ids, draft_vocab=draft.cfg.draft_vocab_size, device=device,
+                               attention=target.config._attn_implementation)
         return finish_report(report, records, steps, mismatches if plain and temp <= 0 else None)
 
 
@@ -317,8 +275,36 @@ def load_prompts(a) -> tuple[str, list]:
     return dataset, prompts
 
 
+def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[dict], *, steps: int, topk: int, ndt: int,
+                  path, aux_ids, draft_vocab: int, device: str, **extra) -> dict:
+    """The settings part of every evaluator's report (finish_report adds the results)."""
+    return {
+        "engine": engine,
+        "dataset": dataset,
+        "n_prompts": n_prompts,
+        "turns": a.turns,
+        "n_generations": len(records),
+        "steps": steps,
+        "topk": topk,
+        "num_draft_tokens": ndt,
+        "temperature": float(a.temperature),
+        "batch_size": 1,
+        "max_new_tokens": a.max_new_tokens,
+        "seed": a.seed,
+        "target": str(a.model),
+        "target_path": str(path),
+        "draft": str(a.draft),
+        "aux_layer_ids": None if aux_ids is None else list(aux_ids),
+        "draft_vocab_size": draft_vocab,
+        "device": device,
+        "dtype": a.dtype,
+        **extra,
+    }
+
+
 PER_PROMPT_KEYS = ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens", "accepted_per_position",
-                   "finish_reason", "wall_s", "baseline_wall_s", "baseline_tokens", "matches_baseline")
+                   "finish_reason", "wall_s", "baseline_wall_s", "baseline_tokens", "matches_baseline",
+                   "output_ids")  # the generated ids: reports of two engines can be compared prompt by prompt
 
 
 def finish_report(report: dict, records: list[dict], steps: int, mismatches: list[dict] | None) -> dict:
@@ -370,7 +356,7 @@ def _first_difference(pid, turn, ids, bids, out, bout) -> dict:
 
 def evaluate(args) -> dict:
     """Run the chosen engine's evaluator, add the common fields, write REPORT.json atomically."""
-    from eaglenest.utils import atomic_write_json
+    from eaglenest.utils import atomic_write_json, machine_info
 
     evs = engine_evaluators()
     if args.engine not in evs:

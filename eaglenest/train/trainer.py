@@ -488,7 +488,9 @@ def _truncate_log(path: Path, step: int) -> None:
     """On resume, drop log lines past the checkpoint (they will be recomputed identically)."""
     if not path.exists():
         return
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from eaglenest.utils import read_jsonl_tolerant
+
+    rows = read_jsonl_tolerant(path)  # a kill mid-append leaves a torn last line
     keep = [r for r in rows if r["step"] <= step]
     atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
 

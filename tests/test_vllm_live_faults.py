@@ -1,0 +1,119 @@
+"""Live: capture through a real vLLM server behind a fault-injecting proxy (tests/flaky_proxy.py).
+
+HTTP 503s, connection resets, a request that hangs past the timeout and a server "restart"
+(connections refused for a few seconds) are retried with backoff and end up stored; a corrupted
+token echo, NaN features and a sample that keeps failing are recorded as failures with their
+reasons; the run completes, exits 1 and prints a summary; the stored features equal a fault-free
+capture's; re-running the same command fills in exactly the failed samples.  `--max-failures`
+stops a run early with the store intact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flaky_proxy import FlakyProxy
+from vllm_helpers import make_tiny_data, requires_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, smollm2):
+    return make_tiny_data(tmp_path_factory.mktemp("faults_data"), str(smollm2), n=8, max_length=192)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    """One capture server for the module (the engine object only starts and stops it)."""
+    from eaglenest.engines.vllm import VLLMEngine
+
+    e = VLLMEngine(str(smollm2), dtype="bf16")
+    e.start("capture")
+    yield e.server.url
+    e.close()
+
+
+def _capture(smollm2, data_dir, out, url, *extra):
+    from eaglenest.cli import main
+
+    return main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", "vllm",
+                 "--vllm-url", url, "--vllm-concurrency", "3", *extra])
+
+
+def _tensors(path):
+    from eaglenest.features import FeatureStore
+
+    fs = FeatureStore(path)
+    return fs, {fs[i]["id"]: fs.load_tensors(i) for i in range(len(fs))}
+
+
+def _same_features(a: dict, b: dict):
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    for name in ("aux_hidden_states", "last_hidden_state"):  # batching may differ: bf16 rounding only
+        cos = torch.nn.functional.cosine_similarity(a[name].float(), b[name].float(), dim=-1)
+        assert cos.min() >= 0.999, (name, float(cos.min()))
+
+
+def test_faults_are_retried_or_recorded_and_a_rerun_completes(smollm2, data_dir, server, tmp_path, capsys):
+    from eaglenest.data import PreparedData
+
+    ref = tmp_path / "ref"
+    assert _capture(smollm2, data_dir, ref, server) == 0
+    data = PreparedData(data_dir)
+    ids = [data[i].id for i in range(len(data))]
+    key = {data[i].id: tuple(data[i].input_ids) for i in range(len(data))}
+    transient = {ids[0]: ("503", 2), ids[1]: ("reset", 1), ids[2]: ("timeout", 1), ids[3]: ("restart", 1)}
+    persistent = {ids[4]: ("echo", None), ids[5]: ("nan", None), ids[6]: ("503", None)}
+    faults = {key[s]: f for s, f in {**transient, **persistent}.items()}
+    out = tmp_path / "faulty"
+    with FlakyProxy(server, faults, hold=8.0, down=2.0) as proxy:
+        rc = _capture(smollm2, data_dir, out, proxy.url, "--vllm-retries", "4", "--vllm-timeout", "4")
+        injected = [k for k, _ in proxy.log if k != "ok"]
+    err = capsys.readouterr().err
+    assert rc == 1  # completed, with failures
+    assert sorted(injected) == sorted(["503", "503", "reset", "timeout", "restart", "echo", "nan"] + ["503"] * 5), injected
+    fails = {f["id"]: f for f in map(json.loads, (out / "failures.jsonl").read_text().splitlines())}
+    assert {s: f["reason"] for s, f in fails.items()} == {ids[4]: "token_mismatch", ids[5]: "non_finite", ids[6]: "http_5xx"}
+    assert "after 5 attempts" in fails[ids[6]]["message"]
+    assert "3 samples skipped or failed (http_5xx: 1, non_finite: 1, token_mismatch: 1)" in err, err[-1500:]
+    fs, got = _tensors(out)
+    assert sorted(fs.ids()) == sorted(ids[:4] + ids[7:])  # every transient fault ended stored
+    assert fs.verify() == []
+    _, want = _tensors(ref)
+    for sid in got:
+        _same_features(got[sid], want[sid])
+
+    # the same command without faults captures exactly the failed samples: no duplicates
+    assert _capture(smollm2, data_dir, out, server) == 0
+    fs, got = _tensors(out)
+    assert sorted(fs.ids()) == sorted(ids) and len(fs.ids()) == len(set(fs.ids()))
+    assert fs.verify() == []
+    for sid in ids:
+        _same_features(got[sid], want[sid])
+
+
+def test_max_failures_stops_early_and_keeps_the_store(smollm2, data_dir, server, tmp_path, capsys):
+    from eaglenest.data import PreparedData
+
+    data = PreparedData(data_dir)
+    faults = {tuple(data[i].input_ids): ("503", None) for i in (1, 2, 3, 4, 5)}
+    out = tmp_path / "stopped"
+    with FlakyProxy(server, faults) as proxy:
+        rc = _capture(smollm2, data_dir, out, proxy.url, "--vllm-retries", "0", "--vllm-concurrency", "1",
+                      "--max-failures", "1", "--batch-tokens", "256")
+        n_requests = len(proxy.log)
+    err = capsys.readouterr().err
+    assert rc == 2 and "exceed --max-failures 1" in err, err[-1500:]  # 2: stopped (1: finished with failures)
+    assert n_requests < len(data)  # it stopped before sending everything
+    from eaglenest.features import FeatureStore
+
+    fails = [json.loads(x) for x in (out / "failures.jsonl").read_text().splitlines()]
+    assert [f["reason"] for f in fails] == ["http_5xx", "http_5xx"]
+    fs = FeatureStore(out)
+    assert fs.verify() == [] and not set(fs.ids()) & {f["id"] for f in fails}
+    assert _capture(smollm2, data_dir, out, server) == 0  # and resumes to a complete store
+    assert len(FeatureStore(out).ids()) == len(data)
