@@ -67,3 +67,15 @@ def quick_demo(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quick_demo") / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--device", "cpu"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Opted into by modules of tiny-tensor tests (`pytest.mark.usefixtures`): one intra-op thread,
+    since a second only adds OpenMP contention (60x slower on a busy 2-core machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

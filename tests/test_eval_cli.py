@@ -6,12 +6,13 @@ import json
 import zipfile
 
 import pytest
-import torch
 from helpers_eval import load_tiny, random_draft
 
 from eaglenest import EaglenestError
 from eaglenest.cli import main
 from eaglenest.evaluate.mtbench import MTBENCH_MEMBER, load_bench_file, load_mtbench
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REQUIRED = [
     "tau", "steps", "topk", "num_draft_tokens", "temperature", "dataset", "n_prompts", "turns",
@@ -19,14 +20,6 @@ REQUIRED = [
     "baseline_tokens_per_s", "speedup", "engine", "batch_size", "max_new_tokens", "target", "draft",
     "device", "dtype", "date", "greedy_matches_baseline", "machine",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,10 @@ from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, ran
 
 from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [[1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253], [1, 42], list(range(1, 40, 3))]
 N_NEW = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matrices gain nothing from a second thread, and OpenMP barriers crawl on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

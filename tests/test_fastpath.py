@@ -11,14 +11,7 @@ from eaglenest.draft.model import DraftConfig, Eagle3Draft, causal_attention_lse
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.ttt import Teacher, denominators, ttt_forward
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add OpenMP contention (60x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def draft(n_head=4, n_kv=2, hd=8, H=32, V=300, Vd=120, seed=0, dtype=torch.float64):

@@ -192,7 +192,6 @@ def test_post_import_patcher_and_register(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(pkg))
     for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
         monkeypatch.delitem(sys.modules, name)
-    before = list(sys.meta_path)
     try:
         plugin.register()
         marker = json.loads((tmp_path / "staging" / plugin.MARKER_FILE).read_text())

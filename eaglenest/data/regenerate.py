@@ -233,7 +233,7 @@ def run_regenerate(
 ) -> RegenerateSummary:
     """Regenerate `data` (a PreparedData) into the DATA_DIR `out` through `engine`."""
     from eaglenest.data.store import Sample, write_prepared
-    from eaglenest.engines.vllm import eos_token_ids
+    from eaglenest.models.target import eos_token_ids
     from eaglenest.models.target import target_fingerprint
 
     out = Path(out)

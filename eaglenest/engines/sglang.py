@@ -52,6 +52,7 @@ from eaglenest import EaglenestError
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
+from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "sglang"
 TARGET_SGLANG_VERSION = plugin.TARGET_SGLANG_VERSION
@@ -313,28 +314,6 @@ def preflight_problems(info: dict, mode: str) -> tuple[list[str], list[str]]:
 
 
 # ------------------------------------------------------------------------------------- engine
-
-
-def model_config(model_path: Path) -> dict:
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EaglenestError(f"cannot read {model_path}/config.json: {e}") from None
-    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-
-
-def eos_token_ids(model_path: Path) -> list[int]:
-    """End-of-sequence ids from generation_config.json (else config.json): the stop tokens."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_path) / name
-        try:
-            v = json.loads(f.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            continue
-        ids = [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)]
-        if ids:
-            return list(dict.fromkeys(ids))
-    return []
 
 
 class SGLangEngine(Engine):

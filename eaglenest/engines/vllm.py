@@ -45,6 +45,7 @@ from pathlib import Path
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
+from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "vllm"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -121,32 +122,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def model_config(model_path: Path) -> dict:
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EaglenestError(f"cannot read {model_path}/config.json: {e}") from None
-    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-
-
-def eos_token_ids(model_path: Path) -> list[int]:
-    """End-of-sequence ids from generation_config.json (else config.json)."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_path) / name
-        if f.exists():
-            try:
-                v = json.loads(f.read_text()).get("eos_token_id")
-            except (OSError, json.JSONDecodeError):
-                continue
-            for x in v if isinstance(v, list) else [v]:
-                if isinstance(x, int) and x not in ids:
-                    ids.append(x)
-            if ids:
-                break
-    return ids
 
 
 def extract_spec_config(layer_ids: list[int], num_layers: int) -> dict:

@@ -97,10 +97,9 @@ def run_eval(args) -> dict:
         generate_sampling,
         response_items,
     )
-    from eaglenest.evaluate.run import _answer_text, chat_prompt_ids, finish_report, load_prompts, merge_server_baseline, report_header
+    from eaglenest.evaluate.run import chat_prompt_ids, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
     from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
-    from eaglenest.utils import progress
 
     a = args
     ea = dict(getattr(a, "engine_args", None) or {})
@@ -175,26 +174,17 @@ def run_eval(args) -> dict:
 
     def run_all(c: Client, spec: bool, desc: str) -> list[dict]:
         ask(c, chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}]))  # warm-up, not reported
-        recs = []
-        bar = progress(total=sum(min(a.turns, len(p.turns)) for p in prompts), desc=desc, unit="gen")
-        try:
-            for p in prompts:
-                hist: list[dict] = []
-                for turn, question in enumerate(p.turns[: a.turns], start=1):
-                    hist.append({"role": "user", "content": question})
-                    ids = chat_prompt_ids(tok, hist)
-                    g, meta, wall = ask(c, ids)
-                    rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
-                           "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids),
-                           "completion_tokens": int(meta.get("completion_tokens") or len(g.output_ids))}
-                    if spec:
-                        rec.update(spec_record(meta, steps))
-                    hist.append({"role": "assistant", "content": _answer_text(tok, g.output_ids, eos)})
-                    recs.append(rec)
-                    bar.update(1)
-        finally:
-            bar.close()
-        return recs
+
+        def answer(p, turn: int, ids: list[int]) -> dict:
+            g, meta, wall = ask(c, ids)
+            rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
+                   "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids),
+                   "completion_tokens": int(meta.get("completion_tokens") or len(g.output_ids))}
+            if spec:
+                rec.update(spec_record(meta, steps))
+            return rec
+
+        return run_conversations(prompts, a.turns, tok, eos, desc, answer)
 
     try:
         records = run_all(client, True, "eval sglang spec")

@@ -77,17 +77,15 @@ def run_eval(args) -> dict:
         Client,
         RequestFailed,
         VLLMServer,
-        eos_token_ids,
         find_vllm_python,
         finish_generated,
         server_command,
     )
     from eaglenest.evaluate.run import (
-        _answer_text, chat_prompt_ids, check_draft_fits, finish_report, load_prompts, merge_server_baseline, report_header,
+        chat_prompt_ids, check_draft_fits, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations,
     )
     from eaglenest.export.format import read_draft_config
-    from eaglenest.models.target import load_tokenizer, resolve_model_path
-    from eaglenest.utils import progress
+    from eaglenest.models.target import eos_token_ids, load_tokenizer, resolve_model_path
 
     a = args
     ea = dict(getattr(a, "engine_args", None) or {})
@@ -151,60 +149,46 @@ def run_eval(args) -> dict:
         model = client.model_card(client.urls[0])["id"]
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
         ask(client, model, warm)  # warm-up: not timed, and the counters are snapshotted per request
-        recs, version = [], None
-        n_gen = sum(min(a.turns, len(p.turns)) for p in prompts)
-        bar = progress(total=n_gen, desc=desc, unit="gen")
-        try:
-            for p in prompts:
-                hist: list[dict] = []
-                for turn, question in enumerate(p.turns[: a.turns], start=1):
-                    hist.append({"role": "user", "content": question})
-                    ids = chat_prompt_ids(tok, hist)
-                    before = settled_counters(client, steps) if spec else None
-                    g, wall, version = ask(client, model, ids)
-                    rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
-                           "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids)}
-                    if spec:
-                        after = settled_counters(client, steps)
-                        d = after["drafts"] - before["drafts"]
-                        acc = after["accepted"] - before["accepted"]
-                        rec.update(
-                            verify_steps=int(round(d)),
-                            verified_tokens=int(round(d + acc)),
-                            accepted_per_position=[int(round(x - y)) for x, y in zip(after["per_pos"], before["per_pos"])],
-                            tau=(1 + acc / d) if d else None,
-                        )
-                    hist.append({"role": "assistant", "content": _answer_text(tok, g.output_ids, eos)})
-                    recs.append(rec)
-                    bar.update(1)
-        finally:
-            bar.close()
-        return recs, version
+        version = None
+
+        def answer(p, turn: int, ids: list[int]) -> dict:
+            nonlocal version
+            before = settled_counters(client, steps) if spec else None
+            g, wall, version = ask(client, model, ids)
+            rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
+                   "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids)}
+            if spec:
+                after = settled_counters(client, steps)
+                d = after["drafts"] - before["drafts"]
+                acc = after["accepted"] - before["accepted"]
+                rec.update(
+                    verify_steps=int(round(d)),
+                    verified_tokens=int(round(d + acc)),
+                    accepted_per_position=[int(round(x - y)) for x, y in zip(after["per_pos"], before["per_pos"])],
+                    tau=(1 + acc / d) if d else None,
+                )
+            return rec
+
+        return run_conversations(prompts, a.turns, tok, eos, desc, answer), version
 
     server_times: dict[str, float] = {}
-    server = serve(True, "spec")
-    try:
-        server_times["spec"] = server.start_seconds or 0.0
-        client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
+
+    def serve_and_run(spec: bool, name: str) -> tuple[list[dict], str | None, str]:
+        """Start the server, answer every prompt, stop it: (records, version, server log)."""
+        server = serve(spec, name)
         try:
-            records, version = run_all(client, True, "eval vllm spec")
-        finally:
-            client.close()
-        log_text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-    finally:
-        server.stop()
-    base_records = None
-    if not a.no_baseline:
-        bserver = serve(False, "baseline")
-        try:
-            server_times["baseline"] = bserver.start_seconds or 0.0
-            bclient = Client([bserver.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
+            server_times[name] = server.start_seconds or 0.0
+            client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
             try:
-                base_records, _ = run_all(bclient, False, "eval vllm baseline")
+                recs, version = run_all(client, spec, f"eval vllm {name}")
             finally:
-                bclient.close()
+                client.close()
+            return recs, version, server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
         finally:
-            bserver.stop()
+            server.stop()
+
+    records, version, log_text = serve_and_run(True, "spec")
+    base_records = None if a.no_baseline else serve_and_run(False, "baseline")[0]
 
     mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
 

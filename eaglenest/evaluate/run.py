@@ -275,6 +275,27 @@ def load_prompts(a) -> tuple[str, list]:
     return dataset, prompts
 
 
+def run_conversations(prompts, turns: int, tok, eos: set[int], desc: str, answer) -> list[dict]:
+    """Every benchmark conversation turn by turn, with a progress bar: `answer(prompt, turn, ids)`
+    returns the turn's record (with "output_ids"), and that answer joins the next turn's history."""
+    from eaglenest.utils import progress
+
+    recs: list[dict] = []
+    bar = progress(total=sum(min(turns, len(p.turns)) for p in prompts), desc=desc, unit="gen")
+    try:
+        for p in prompts:
+            hist: list[dict] = []
+            for turn, question in enumerate(p.turns[:turns], start=1):
+                hist.append({"role": "user", "content": question})
+                rec = answer(p, turn, chat_prompt_ids(tok, hist))
+                hist.append({"role": "assistant", "content": _answer_text(tok, rec["output_ids"], eos)})
+                recs.append(rec)
+                bar.update(1)
+    finally:
+        bar.close()
+    return recs
+
+
 def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[dict], *, steps: int, topk: int, ndt: int,
                   path, aux_ids, draft_vocab: int, device: str, **extra) -> dict:
     """The settings part of every evaluator's report (finish_report adds the results)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eaglenest import EaglenestError
@@ -69,3 +70,26 @@ def template_fingerprint(tok) -> str:
 
 
 __all__ = ["resolve_model_path", "load_tokenizer", "load_config", "load_target", "target_fingerprint", "sha256_file"]
+
+
+def model_config(model_path: str | Path) -> dict:
+    """config.json as a dict, without importing transformers (the server engines only need sizes);
+    a multimodal config's `text_config` is the language model's."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EaglenestError(f"cannot read {model_path}/config.json: {e}") from None
+    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+
+def eos_token_ids(model_path: str | Path) -> list[int]:
+    """End-of-sequence ids from generation_config.json (else config.json): the stop tokens."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            v = json.loads((Path(model_path) / name).read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        ids = [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)]
+        if ids:
+            return list(dict.fromkeys(ids))
+    return []
