@@ -11,7 +11,7 @@ Zipf law over a permuted vocabulary, a draft vocabulary built from those frequen
 whose teacher puts ~0.85 on the next token -- generated on the device from a seeded generator, so
 both implementations see identical tensors.
 
-  ours:      Teacher.targets (draft-vocab log-probs + chunked full-vocab argmax, bf16 matmuls on
+  ours:      Teacher.targets (draft-vocab probabilities + chunked full-vocab argmax, bf16 matmuls on
              CUDA) -> ttt_forward (fast attention, chunked+checkpointed logits, optional per-step
              recompute) -> backward -> clip -> AdamW on fp32 params under bf16 autocast (= the trainer).
   specforge: LlamaForCausalLMEagle3 (bf16) + OnlineEagle3Model(flex_attention) with the compact
@@ -140,9 +140,9 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        tlogp, targ = teacher.targets(last.reshape(-1, H))
+        tprobs, targ = teacher.targets(last.reshape(-1, H))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = ttt_forward(model, ids, aux, tlogp.view(1, T, -1), targ.view(1, T), mask, ttt, denom,
+            loss, _ = ttt_forward(model, ids, aux, tprobs.view(1, T, -1), targ.view(1, T), mask, ttt, denom,
                                   chunk=chunk, checkpoint_logits=cuda, attn_impl=attn_impl, recompute=recompute)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

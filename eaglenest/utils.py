@@ -171,6 +171,17 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with bf16 matrix instructions (Intel AMX or AVX512-BF16): there a bf16 matmul
+    runs ~10x faster than fp32 (measured on this project's 2-core Xeon); elsewhere bf16 is emulated
+    and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def machine_info() -> dict:
     """Where a measurement ran: platform, CPU or GPU model, versions, load (for reports and benchmarks)."""
     import platform

@@ -83,6 +83,33 @@ def test_eval_baseline_limit(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_pat
     assert r["speedup"] > 0 and r["greedy_matches_baseline"] is True
 
 
+def test_eval_workers_decode_exactly_as_one_process(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
+    """--workers 2 spreads conversations over two processes: same records, same order, same numbers."""
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    common = ["--bench", str(bench_file), "--turns", "2", "--baseline-limit", "2"]
+    assert _eval(tiny_llama_dir, tiny_draft_dir, one, *common) == 0
+    assert _eval(tiny_llama_dir, tiny_draft_dir, two, *common, "--workers", "2") == 0
+    r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert r2["workers"] == 2 and r1["workers"] == 1
+    keys = ("id", "turn", "output_ids", "verify_steps", "accepted_per_position", "matches_baseline")
+    assert [{k: p.get(k) for k in keys} for p in r2["per_prompt"]] == [{k: p.get(k) for k in keys} for p in r1["per_prompt"]]
+    assert r2["tau"] == r1["tau"] and r2["baseline_prompts"] == 2 and r2["greedy_matches_baseline"] is True
+
+
+def test_eval_worker_that_cannot_start_is_one_error(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path, capsys):
+    """A failure while a worker loads is reported once (the pool does not respawn it forever)."""
+    import shutil
+
+    bad = tmp_path / "bad-draft"
+    shutil.copytree(tiny_draft_dir, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])  # the config is fine; the weights are torn
+    out = tmp_path / "x.json"
+    assert _eval(tiny_llama_dir, bad, out, "--bench", str(bench_file), "--workers", "2") != 0
+    assert "eval worker failed to start" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_hidden_size_mismatch_is_one_line_error(tiny_llama_dir, tmp_path, bench_file, capsys):
     from transformers import LlamaConfig
 

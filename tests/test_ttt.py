@@ -90,7 +90,7 @@ def test_fast_ttt_equals_reference_loss_and_grads():
     from eaglenest.train.ttt import denominators
 
     denom = denominators(mask, ttt)
-    fast, _ = ttt_forward(d, ids, aux, tlogp, targ, mask, ttt, denom, chunk=4)
+    fast, _ = ttt_forward(d, ids, aux, tlogp.exp(), targ, mask, ttt, denom, chunk=4)
     g_fast = torch.autograd.grad(fast, list(d.parameters()))
     ref = sum(
         reference_loss(d, ids[b, :L], aux[b, :L], tlogp[b, :L], targ[b, :L], mask[b, :L], ttt, denom)
@@ -107,7 +107,7 @@ def test_padding_does_not_leak_into_valid_positions():
     ids, mask, aux, tlogp, targ = make_batch(d, [9, 9], seed=4)
     from eaglenest.train.ttt import denominators
 
-    alone, _ = ttt_forward(d, ids[:1, :9], aux[:1, :9], tlogp[:1, :9], targ[:1, :9], mask[:1, :9], 4, denominators(mask[:1, :9], 4))
+    alone, _ = ttt_forward(d, ids[:1, :9], aux[:1, :9], tlogp[:1, :9].exp(), targ[:1, :9], mask[:1, :9], 4, denominators(mask[:1, :9], 4))
     # the same sample padded with garbage to length 15
     pad = lambda x, fill: torch.cat([x[:1], fill], 1)  # noqa: E731
     ids2 = pad(ids, torch.randint(0, 300, (1, 6)))
@@ -115,7 +115,7 @@ def test_padding_does_not_leak_into_valid_positions():
     tl2 = pad(tlogp, torch.log_softmax(torch.randn(1, 6, 120, dtype=torch.float64), -1))
     ta2 = pad(targ, torch.randint(0, 300, (1, 6)))
     m2 = pad(mask, torch.zeros(1, 6, dtype=torch.long))
-    padded, _ = ttt_forward(d, ids2, aux2, tl2, ta2, m2, 4, denominators(m2, 4))
+    padded, _ = ttt_forward(d, ids2, aux2, tl2.exp(), ta2, m2, 4, denominators(m2, 4))
     assert torch.allclose(alone, padded, rtol=1e-10)
 
 

@@ -158,107 +158,179 @@ def summarize(records: list[dict], steps: int) -> dict:
 
 
 class HFEvaluator:
+    """Our own speculative decoding over the transformers target.  With --workers N the
+    conversations are spread over N processes (each with its own copy of the target and draft,
+    and cores / N threads): batch-1 decoding of a small target on a CPU is bound by per-op latency,
+    not by the cores, so two 1-thread processes decode ~1.8x the tokens/s of one 2-thread process.
+    Each conversation is decoded exactly as with one process; only the thread count differs."""
+
     def __init__(self, args):
         self.args = args
 
-    def run(self) -> dict:
+    def setup(self, threads: int | None = None) -> dict:
+        """Load the target and the draft, build the decoders, warm up.  Returns the report fields
+        that depend on what was loaded."""
         import torch
 
         from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
-        from eaglenest.models.target import load_config, load_target, load_tokenizer, resolve_model_path
-        from eaglenest.utils import progress, resolve_device
+        from eaglenest.models.target import load_target, load_tokenizer
+        from eaglenest.utils import resolve_device
 
         a = self.args
-        steps, topk, temp = a.steps, a.topk, float(a.temperature)
-        ndt = resolve_num_draft_tokens(steps, topk, a.num_draft_tokens)  # fail before loading anything
-        dataset, prompts = load_prompts(a)
-
+        if threads:
+            torch.set_num_threads(threads)
         torch.manual_seed(a.seed)
+        ndt = resolve_num_draft_tokens(a.steps, a.topk, a.num_draft_tokens)
         device = resolve_device(a.device)
         tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.dtype]
-        path = resolve_model_path(a.model)
-        check_draft_dir(a.draft, load_config(a.model, a.trust_remote_code))  # fail before loading weights
-        tok = load_tokenizer(a.model, a.trust_remote_code)
+        self.tok = tok = load_tokenizer(a.model, a.trust_remote_code)
         target = load_target(a.model, a.dtype, device, a.trust_remote_code)
-        attention = getattr(a, "attention", "rowwise")
-        if attention == "rowwise":  # verification bit-identical to plain decoding (see exact_attention.py)
+        if getattr(a, "attention", "rowwise") == "rowwise":  # verification bit-identical to plain decoding (see exact_attention.py)
             from eaglenest.evaluate import exact_attention
 
             exact_attention.install(target)
         draft = load_draft_for_target(a.draft, target, device, tdtype)
-        eos = eos_token_ids(target, tok)
-        spec = SpecDecoder(target, draft, eos, steps=steps, topk=topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
-        plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
-        base_limit = getattr(a, "baseline_limit", None)  # plain decoding on the first N prompts only
-
+        self.eos = eos = eos_token_ids(target, tok)
+        temp = float(a.temperature)
+        self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
+        self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
         # warm-up (first calls of the CPU kernels pay one-time setup): not timed, not reported
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
-        spec.generate(warm, 8)
-        if plain:
-            plain.generate(warm, 8)
+        self.spec.generate(warm, 8)
+        if self.plain:
+            self.plain.generate(warm, 8)
+        return {"aux_ids": draft.cfg.aux_layer_ids, "draft_vocab": draft.cfg.draft_vocab_size, "device": device,
+                "attention": target.config._attn_implementation}
+
+    def conversation(self, n_done: int, p) -> tuple[list[dict], list[dict]]:
+        """All turns of one benchmark conversation: (records, greedy mismatches)."""
+        a, tok, eos = self.args, self.tok, self.eos
+        base_limit = getattr(a, "baseline_limit", None)  # plain decoding on the first N prompts only
+        with_base = self.plain is not None and (base_limit is None or n_done < base_limit)
+        records, mismatches = [], []
+        hist_s: list[dict] = []  # each decoder answers the next turn after its own answer
+        hist_b: list[dict] = []
+        for turn, question in enumerate(p.turns[: a.turns], start=1):
+            hist_s.append({"role": "user", "content": question})
+            ids = chat_prompt_ids(tok, hist_s)
+            r = self.spec.generate(ids, a.max_new_tokens)
+            hist_s.append({"role": "assistant", "content": _answer_text(tok, r.output_ids, eos)})
+            rec = {
+                "id": p.id,
+                "turn": turn,
+                "prompt_tokens": len(ids),
+                "tau": r.tau,
+                "generated_tokens": len(r.output_ids),
+                "verified_tokens": r.verified_tokens,
+                "verify_steps": r.verify_steps,
+                "accepted_per_position": r.accepted_per_position,
+                "finish_reason": r.finish_reason,
+                "wall_s": r.wall_s,
+                "output_ids": r.output_ids,
+            }
+            if with_base:
+                hist_b.append({"role": "user", "content": question})
+                bids = chat_prompt_ids(tok, hist_b)
+                b = self.plain.generate(bids, a.max_new_tokens)
+                hist_b.append({"role": "assistant", "content": _answer_text(tok, b.output_ids, eos)})
+                rec["baseline_tokens"] = len(b.output_ids)
+                rec["baseline_wall_s"] = b.wall_s
+                if float(a.temperature) <= 0:
+                    same = bids == ids and b.output_ids == r.output_ids
+                    rec["matches_baseline"] = same
+                    if not same:
+                        mismatches.append(_first_difference(p.id, turn, ids, bids, r.output_ids, b.output_ids))
+            records.append(rec)
+        return records, mismatches
+
+    def run(self) -> dict:
+        import os
+
+        from eaglenest.evaluate.specdec import resolve_num_draft_tokens
+        from eaglenest.models.target import load_config, resolve_model_path
+        from eaglenest.utils import progress, resolve_device
+
+        a = self.args
+        ndt = resolve_num_draft_tokens(a.steps, a.topk, a.num_draft_tokens)  # fail before loading anything
+        dataset, prompts = load_prompts(a)
+        path = resolve_model_path(a.model)
+        check_draft_dir(a.draft, load_config(a.model, a.trust_remote_code))  # fail before loading weights
+        resolve_device(a.device)  # a device that is not there: one error here, not one per worker
+        workers = max(1, min(int(getattr(a, "workers", 1) or 1), len(prompts)))
+        pool = None
+        if workers == 1:
+            meta = self.setup()
+            results = (self.conversation(i, p) for i, p in enumerate(prompts))
+        else:
+            import multiprocessing as mp
+
+            threads = max(1, len(os.sched_getaffinity(0)) // workers)
+            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(a, threads))
+            meta = pool.apply(_worker_meta)
+            results = pool.imap(_worker_conversation, list(enumerate(prompts)))  # in prompt order
 
         records: list[dict] = []
         mismatches: list[dict] = []
-        n_gen = sum(min(a.turns, len(p.turns)) for p in prompts)
-        bar = progress(total=n_gen, desc="eval", unit="gen")
-        t_spec = t_base = 0.0
-        n_spec = n_base = 0
+        bar = progress(total=len(prompts), desc="eval", unit="prompt")
+        ok = False
         try:
-            for n_done, p in enumerate(prompts):
-                with_base = plain is not None and (base_limit is None or n_done < base_limit)
-                hist_s: list[dict] = []  # each decoder answers the next turn after its own answer
-                hist_b: list[dict] = []
-                for turn, question in enumerate(p.turns[: a.turns], start=1):
-                    hist_s.append({"role": "user", "content": question})
-                    ids = chat_prompt_ids(tok, hist_s)
-                    r = spec.generate(ids, a.max_new_tokens)
-                    hist_s.append({"role": "assistant", "content": _answer_text(tok, r.output_ids, eos)})
-                    rec = {
-                        "id": p.id,
-                        "turn": turn,
-                        "prompt_tokens": len(ids),
-                        "tau": r.tau,
-                        "generated_tokens": len(r.output_ids),
-                        "verified_tokens": r.verified_tokens,
-                        "verify_steps": r.verify_steps,
-                        "accepted_per_position": r.accepted_per_position,
-                        "finish_reason": r.finish_reason,
-                        "wall_s": r.wall_s,
-                        "output_ids": r.output_ids,
-                    }
-                    t_spec += r.wall_s
-                    n_spec += len(r.output_ids)
-                    if with_base:
-                        hist_b.append({"role": "user", "content": question})
-                        bids = chat_prompt_ids(tok, hist_b)
-                        b = plain.generate(bids, a.max_new_tokens)
-                        hist_b.append({"role": "assistant", "content": _answer_text(tok, b.output_ids, eos)})
-                        rec["baseline_tokens"] = len(b.output_ids)
-                        rec["baseline_wall_s"] = b.wall_s
-                        t_base += b.wall_s
-                        n_base += len(b.output_ids)
-                        if temp <= 0:
-                            same = bids == ids and b.output_ids == r.output_ids
-                            rec["matches_baseline"] = same
-                            if not same:
-                                mismatches.append(_first_difference(p.id, turn, ids, bids, r.output_ids, b.output_ids))
-                    records.append(rec)
-                    bar.update(1)
-                    post = {"spec": f"{n_spec / t_spec:.1f}tok/s" if t_spec else "-"}
-                    if plain and t_base:
-                        post["base"] = f"{n_base / t_base:.1f}tok/s"
-                    vs = sum(x["verify_steps"] for x in records)
-                    if vs:
-                        post["tau"] = f"{sum(x['verified_tokens'] for x in records) / vs:.2f}"
-                    bar.set_postfix(post)
+            for recs, mm in results:
+                records += recs
+                mismatches += mm
+                bar.update(1)
+                post = {"spec": _rate(records, "generated_tokens", "wall_s")}
+                if not a.no_baseline:
+                    post["base"] = _rate(records, "baseline_tokens", "baseline_wall_s")
+                vs = sum(x["verify_steps"] for x in records)
+                if vs:
+                    post["tau"] = f"{sum(x['verified_tokens'] for x in records) / vs:.2f}"
+                bar.set_postfix(post)
+            ok = True
         finally:
             bar.close()
-            spec.close()
+            if pool is not None:
+                if ok:  # let the workers exit on their own (terminate leaks their semaphores)
+                    pool.close()
+                    pool.join()
+                else:
+                    pool.terminate()
+            elif hasattr(self, "spec"):
+                self.spec.close()
 
-        report = report_header("hf", a, dataset, len(prompts), records, steps=steps, topk=topk, ndt=ndt, path=path,
-                               aux_ids=draft.cfg.aux_layer_ids, draft_vocab=draft.cfg.draft_vocab_size, device=device,
-                               attention=target.config._attn_implementation)
-        return finish_report(report, records, steps, mismatches if plain and temp <= 0 else None)
+        report = report_header("hf", a, dataset, len(prompts), records, steps=a.steps, topk=a.topk, ndt=ndt, path=path,
+                               aux_ids=meta["aux_ids"], draft_vocab=meta["draft_vocab"], device=meta["device"],
+                               attention=meta["attention"], workers=workers)
+        return finish_report(report, records, a.steps, mismatches if not a.no_baseline and float(a.temperature) <= 0 else None)
+
+
+def _rate(records: list[dict], tokens: str, wall: str) -> str:
+    w = sum(r.get(wall) or 0.0 for r in records)
+    return f"{sum(r.get(tokens) or 0 for r in records) / w:.1f}tok/s" if w else "-"
+
+
+# one HFEvaluator per worker process (--workers N)
+_WORKER: dict = {}
+
+
+def _worker_init(args, threads: int) -> None:
+    # an exception escaping a Pool initializer makes the pool respawn workers forever: keep it
+    # and raise it from the first task instead
+    try:
+        ev = HFEvaluator(args)
+        _WORKER["meta"] = ev.setup(threads)
+        _WORKER["ev"] = ev
+    except Exception as e:  # noqa: BLE001 -- re-raised (picklable) in the parent by _worker_meta
+        _WORKER["error"] = EaglenestError(f"eval worker failed to start: {type(e).__name__}: {e}")
+
+
+def _worker_meta() -> dict:
+    if "error" in _WORKER:
+        raise _WORKER["error"]
+    return _WORKER["meta"]
+
+
+def _worker_conversation(item):
+    return _WORKER["ev"].conversation(*item)
 
 
 def load_prompts(a) -> tuple[str, list]:

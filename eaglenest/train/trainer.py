@@ -159,7 +159,7 @@ class Trainer:
             self.model.lm_head.weight.requires_grad_(False)
         self.model.set_vocab(d2t, t2d)
         self.model.to(self.device)
-        teacher_dtype = torch.bfloat16 if self.autocast and self.device_type == "cuda" else torch.float32
+        teacher_dtype = torch.bfloat16 if self.autocast else torch.float32
         self.teacher = Teacher(
             norm_weight=head["norm"].float() if meta.final_norm == "pre" else None,
             norm_eps=tcfg.rms_norm_eps,
@@ -195,6 +195,7 @@ class Trainer:
             self.opt, lambda s: lr_lambda(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
         )
         self.step = 0
+        self._argmax: dict[tuple, torch.Tensor] = {}  # micro-batch -> the target's argmax per position
         self.n_train_tokens = sum(self.store.lengths()[i] for i in train_idx)
         if self.rank == 0 and not cfg.resume:
             from safetensors.torch import save_file
@@ -322,7 +323,10 @@ class Trainer:
     def _forward(self, idx: list[int], denom: torch.Tensor):
         b = collate(self.store, idx, self.cfg.max_len)
         dev = self.device
-        tlogp, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]))
+        # micro-batches keep their samples every epoch: the target's argmax is computed once per batch
+        key = tuple(idx)
+        tprobs, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]), argmax=self._argmax.get(key))
+        self._argmax.setdefault(key, targ)
         B, T = b.input_ids.shape
         cuda = self.device_type == "cuda"
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -330,7 +334,7 @@ class Trainer:
                 self.model,
                 b.input_ids.to(dev),
                 b.aux.to(dev).to(torch.bfloat16 if self.autocast else torch.float32),
-                tlogp.view(B, T, -1),
+                tprobs.view(B, T, -1),
                 targ.view(B, T),
                 b.loss_mask.to(dev),
                 self.cfg.ttt_steps,

@@ -53,22 +53,25 @@ class Teacher:
         return w
 
     @torch.no_grad()
-    def targets(self, last_hidden: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """last_hidden [N, H] -> (teacher log-probs over the draft vocab [N, Vd] fp32, target argmax [N]).
-        Full-vocabulary logits exist one chunk at a time ([chunk, V], transient)."""
+    def targets(self, last_hidden: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """last_hidden [N, H] -> (teacher probabilities over the draft vocab [N, Vd] fp32, target argmax [N]).
+        Full-vocabulary logits exist one chunk at a time ([chunk, V], transient).  `argmax` (known
+        from an earlier epoch) skips the full-vocabulary head: on a small target it is most of the
+        teacher's cost (SmolLM2: V = 6x the 8K draft vocabulary)."""
         chunk = chunk or (8192 if last_hidden.is_cuda else 2048)
         W, Wd = self.heads()
         N = last_hidden.shape[0]
-        logp = torch.empty(N, Wd.shape[0], dtype=torch.float32, device=last_hidden.device)
-        arg = torch.empty(N, dtype=torch.long, device=last_hidden.device)
+        probs = torch.empty(N, Wd.shape[0], dtype=torch.float32, device=last_hidden.device)
+        arg = torch.empty(N, dtype=torch.long, device=last_hidden.device) if argmax is None else argmax.to(last_hidden.device)
         for s in range(0, N, chunk):
             h = last_hidden[s : s + chunk].float()
             if self.norm_weight is not None:
                 h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
             h = h.to(self.matmul_dtype)
-            arg[s : s + chunk] = (h @ W.T).argmax(-1)
-            logp[s : s + chunk] = torch.log_softmax((h @ Wd.T).float(), dim=-1)
-        return logp, arg
+            if argmax is None:
+                arg[s : s + chunk] = (h @ W.T).argmax(-1)
+            probs[s : s + chunk] = torch.softmax((h @ Wd.T).float(), dim=-1)  # once per batch, not per TTT step
+        return probs, arg
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -94,21 +97,44 @@ def denominators(loss_mask: torch.Tensor, ttt: int) -> torch.Tensor:
     return torch.stack([shift_left(loss_mask, 2 + j).float().sum() for j in range(ttt)])
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(p_i, softmax(z_i)) with its gradient written out: CE = lse(z) - p.z (the
+    teacher rows sum to 1), d/dz = w (softmax(z) - p).  Autograd's log_softmax -> mul -> sum keeps
+    and re-reads four [N, V] tensors per TTT step; this reads the logits ~4 times in all, which on
+    a CPU is most of a small draft's step outside the matmuls.  Also returns the draft's argmax
+    (max() on fp32 is ~4x faster than argmax() on bf16 on a CPU)."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, rows, w):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.logsumexp(z, dim=-1)
+        ce = lse - torch.linalg.vecdot(z, teacher.index_select(0, rows).to(z.dtype))
+        ctx.save_for_backward(z, teacher, rows, w, lse)  # the teacher by reference: no per-step copy
+        ctx.in_dtype = logits.dtype
+        arg = z.max(dim=-1).indices
+        ctx.mark_non_differentiable(arg)
+        return (ce * w).sum(), arg
+
+    @staticmethod
+    def backward(ctx, g, _g_arg):
+        z, teacher, rows, w, lse = ctx.saved_tensors
+        z = z.clone() if z.dtype == ctx.in_dtype else z  # z aliases the logits: do not overwrite them
+        grad = z.sub_(lse[:, None]).exp_().sub_(teacher.index_select(0, rows).to(z.dtype)).mul_((w.to(z.dtype) * g)[:, None])
+        return grad.to(ctx.in_dtype), None, None, None
+
+
 def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor, trows: torch.Tensor, w: torch.Tensor):
     """Soft cross-entropy of the kept rows of one contiguous chunk of hidden states.  The teacher
-    rows are gathered in here, so a checkpoint keeps only references (no [chunk, V] copies)."""
+    rows are gathered inside, so neither a checkpoint nor autograd keeps a [chunk, V] copy of them."""
     logits = draft.logits(h.index_select(0, rows))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp = torch.log_softmax(logits, dim=-1)
-    ce = -(teacher.index_select(0, trows).exp() * logp).sum(-1)
-    return (ce * w).sum(), logits.argmax(-1)
+    return SoftCrossEntropy.apply(logits, teacher, trows, w)
 
 
 def ttt_forward(
     draft: Eagle3Draft,
     input_ids: torch.Tensor,  # [B, T] int64
     aux: torch.Tensor,  # [B, T, 3H]
-    teacher_logp: torch.Tensor,  # [B, T, Vd] fp32 (from Teacher.targets, reshaped)
+    teacher_probs: torch.Tensor,  # [B, T, Vd] fp32 (from Teacher.targets, reshaped)
     teacher_argmax: torch.Tensor,  # [B, T] target ids
     loss_mask: torch.Tensor,  # [B, T]
     ttt: int,
@@ -135,7 +161,7 @@ def ttt_forward(
     ctx_kv = None
     grad = torch.is_grad_enabled()
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    teacher = teacher_logp.reshape(B * T, -1)  # a view: never shifted or copied per step
+    teacher = teacher_probs.reshape(B * T, -1)  # a view: never shifted or copied per step
     targ = teacher_argmax.reshape(-1)
     per_step = []  # (loss_sum, correct, count, loss_count) as tensors: one host sync at the end
     for j in range(ttt):
