@@ -391,6 +391,7 @@ def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[di
         "draft_vocab_size": draft_vocab,
         "device": device,
         "dtype": a.dtype,
+        "workers": 1,  # decoding processes on our side (the hf evaluator's --workers)
         **extra,
     }
 
