@@ -68,6 +68,25 @@ def test_resume_reproduces_uninterrupted_losses(tiny_llama_dir, tiny_store, tmp_
         assert (full / name).exists()
 
 
+def test_argmax_cache_of_later_epochs_changes_nothing(tiny_llama_dir, tiny_store, tmp_path, monkeypatch):
+    """Epochs >= 2 take the target's argmax from the per-micro-batch cache: same losses and
+    accuracies as recomputing it, and the cache really is used (it holds every micro-batch)."""
+    import eaglenest.train.trainer as trainer_mod
+
+    spe = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "probe", grad_accum=1)).schedule.steps_per_epoch
+    t = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "cached", grad_accum=1, max_steps=2 * spe + 1))  # into a 3rd epoch
+    t.fit()
+    assert set(map(tuple, t.schedule.batches)) <= set(t._argmax)
+    monkeypatch.setattr(trainer_mod, "ARGMAX_CACHE_TOKENS", 0)
+    t2 = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "plain", grad_accum=1, max_steps=2 * spe + 1))
+    t2.fit()
+    assert not t2._argmax
+    rows = lambda run: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    a, b = rows(tmp_path / "cached"), rows(tmp_path / "plain")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    assert [r["train_acc"] for r in a] == [r["train_acc"] for r in b]
+
+
 def test_training_reduces_heldout_loss(tiny_llama_dir, tiny_store, tmp_path):
     r = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=25, eval_every=24, grad_accum=1)).fit()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

@@ -64,6 +64,9 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
+ARGMAX_CACHE_TOKENS = 1 << 28  # 1 GiB of int32: beyond that, later epochs recompute the target's argmax
+
+
 def _dist(device: str = "auto"):
     """(dist module or None, rank, world size, whether we initialized the process group).
     Under torchrun (WORLD_SIZE > 1): NCCL when the run uses CUDA, gloo otherwise (CPU runs)."""
@@ -195,7 +198,10 @@ class Trainer:
             self.opt, lambda s: lr_lambda(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
         )
         self.step = 0
-        self._argmax: dict[tuple, torch.Tensor] = {}  # micro-batch -> the target's argmax per position
+        # micro-batch -> the target's argmax per position (host RAM, int32), reused by later epochs;
+        # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
+        self._argmax: dict[tuple, torch.Tensor] = {}
+        self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
         self.n_train_tokens = sum(self.store.lengths()[i] for i in train_idx)
         if self.rank == 0 and not cfg.resume:
             from safetensors.torch import save_file
@@ -325,8 +331,11 @@ class Trainer:
         dev = self.device
         # micro-batches keep their samples every epoch: the target's argmax is computed once per batch
         key = tuple(idx)
-        tprobs, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]), argmax=self._argmax.get(key))
-        self._argmax.setdefault(key, targ)
+        known = self._argmax.get(key)
+        tprobs, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]), argmax=None if known is None else known.long())
+        if known is None and targ.numel() <= self._argmax_room:
+            self._argmax[key] = targ.to("cpu", torch.int32)
+            self._argmax_room -= targ.numel()
         B, T = b.input_ids.shape
         cuda = self.device_type == "cuda"
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
