@@ -36,6 +36,9 @@ def child(features: str, dtype: str, steps: int, freeze_head: bool) -> dict:
         cfg = TrainConfig(model=str(fetch("smollm2")), features=features, out=out, ttt_steps=3, draft_vocab=8192, lr=1e-3,
                           max_steps=10 * steps, batch_tokens=1024, freeze_head=freeze_head, eval_fraction=0.05, dtype=dtype)
         tr = Trainer(cfg)
+        from eaglenest.train.trainer import ARGMAX_CACHE_TOKENS
+
+        tr._argmax_room = ARGMAX_CACHE_TOKENS  # a run of several epochs caches; this short one replays epoch 1's batches
         params = [p for p in tr.model.parameters() if p.requires_grad]
 
         def step(s: int) -> tuple[int, float]:

@@ -24,8 +24,8 @@ PRESETS = {
         # Held-out accuracy is limited by optimizer steps and by unique data (a 4th epoch over 300
         # conversations overfit), so: small batches (1024 tokens), many conversations, 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
-        # instructions (AMX/AVX512-BF16: ~2x the tokens/s of fp32 here, same losses), and the eval
-        # decodes in 2 processes (~1.8x).  See bench/results/demo_full.json for the measured run.
+        # instructions (AMX/AVX512-BF16: 1.8x the tokens/s of fp32 here, same accuracy), and the eval
+        # decodes in 2 processes (1.35x).  See bench/results/demo_full.json for the measured run.
         "samples": 1200,
         "max_length": 512,
         "ttt_steps": 3,

@@ -43,7 +43,7 @@ def register(sub) -> None:
                    help="run plain decoding (speedup, greedy equivalence) on the first N prompts only")
     p.add_argument("--workers", type=int, default=1,
                    help="hf engine: decode the conversations in N processes (cores / N threads each); on a CPU, "
-                   "batch-1 decoding is latency-bound and 2 one-thread processes give ~1.8x the throughput of one")
+                   "batch-1 decoding is latency-bound and 2 one-thread processes decode ~1.35x the tokens/s of one")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an option for a non-hf engine evaluator (repeatable), passed as args.engine_args")
