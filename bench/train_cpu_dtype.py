@@ -39,21 +39,9 @@ def child(features: str, dtype: str, steps: int, freeze_head: bool) -> dict:
         from eaglenest.train.trainer import ARGMAX_CACHE_TOKENS
 
         tr._argmax_room = ARGMAX_CACHE_TOKENS  # a run of several epochs caches; this short one replays epoch 1's batches
-        params = [p for p in tr.model.parameters() if p.requires_grad]
 
         def step(s: int) -> tuple[int, float]:
-            _, batches = tr.schedule.step_batches(s)
-            denom = tr._denoms(batches)
-            tr.opt.zero_grad(set_to_none=True)
-            n, loss_val = 0, 0.0
-            for idx in batches:
-                loss, _, nt = tr._forward(idx, denom)
-                loss.backward()
-                n += nt
-                loss_val += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            tr.opt.step()
-            tr.sched.step()
+            loss_val, n, _, _ = tr.optimizer_step(tr.schedule.step_batches(s)[1])
             return n, loss_val
 
         step(0)  # warm-up: one-time kernel setup, not timed

@@ -115,6 +115,7 @@ def _run(args) -> int:
         return prep(model=model, data=["sharegpt:"], out=data, max_length=P["max_length"], limit=P["samples"])
 
     meta = _stage("prepare", timings, prepare)
+    train_dtype = _train_dtype(P["dtype"], args.device)
     _stage("capture", timings, lambda: _cli(["capture", "--model", model, "--data", str(data), "--out", str(feats), "--device", args.device]))
 
     def train():
@@ -128,7 +129,7 @@ def _run(args) -> int:
         ]
         if P["freeze_head"]:
             argv.append("--freeze-head")
-        argv += ["--dtype", _train_dtype(P["dtype"], args.device)]
+        argv += ["--dtype", train_dtype]
         if (run / "checkpoints" / "latest.json").exists():
             argv.append("--resume")
         _cli(argv)
@@ -150,7 +151,7 @@ def _run(args) -> int:
     total = round(time.time() - t0, 1)
     report = json.loads(report_path.read_text())
     report["demo"] = {"preset": preset_name, "recipe": P, "stage_seconds": timings, "total_seconds": total,
-                      "train_dtype": _train_dtype(P["dtype"], args.device),
+                      "train_dtype": train_dtype,
                       "prepared_samples": meta.get("n_samples"), "prepared_tokens": meta.get("n_tokens")}
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     _write_markdown(out, report, run)
@@ -170,11 +171,9 @@ def _train_dtype(preset: str, device: str) -> str:
 
 def _eval_workers(n: int, device: str) -> int:
     """Several decoding processes pay off on a CPU only (one GPU serves one process best)."""
-    import os
+    from eaglenest.utils import resolve_device, usable_cpus
 
-    from eaglenest.utils import resolve_device
-
-    return max(1, min(n, len(os.sched_getaffinity(0)))) if resolve_device(device) == "cpu" else 1
+    return max(1, min(n, usable_cpus())) if resolve_device(device) == "cpu" else 1
 
 
 def _table(r: dict) -> str:

@@ -171,6 +171,13 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS has one, e.g. not on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_has_fast_bf16() -> bool:
     """True on CPUs with bf16 matrix instructions (Intel AMX or AVX512-BF16): there a bf16 matmul
     runs ~10x faster than fp32 (measured on this project's 2-core Xeon); elsewhere bf16 is emulated

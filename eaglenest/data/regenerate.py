@@ -233,8 +233,7 @@ def run_regenerate(
 ) -> RegenerateSummary:
     """Regenerate `data` (a PreparedData) into the DATA_DIR `out` through `engine`."""
     from eaglenest.data.store import Sample, write_prepared
-    from eaglenest.models.target import eos_token_ids
-    from eaglenest.models.target import target_fingerprint
+    from eaglenest.models.target import eos_token_ids, target_fingerprint
 
     out = Path(out)
     if getattr(data, "path", None) is not None and out.resolve() == Path(data.path).resolve():

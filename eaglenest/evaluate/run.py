@@ -244,11 +244,9 @@ class HFEvaluator:
         return records, mismatches
 
     def run(self) -> dict:
-        import os
-
         from eaglenest.evaluate.specdec import resolve_num_draft_tokens
         from eaglenest.models.target import load_config, resolve_model_path
-        from eaglenest.utils import progress, resolve_device
+        from eaglenest.utils import progress, resolve_device, usable_cpus
 
         a = self.args
         ndt = resolve_num_draft_tokens(a.steps, a.topk, a.num_draft_tokens)  # fail before loading anything
@@ -264,7 +262,7 @@ class HFEvaluator:
         else:
             import multiprocessing as mp
 
-            threads = max(1, len(os.sched_getaffinity(0)) // workers)
+            threads = max(1, usable_cpus() // workers)
             pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(a, threads))
             meta = pool.apply(_worker_meta)
             results = pool.imap(_worker_conversation, list(enumerate(prompts)))  # in prompt order

@@ -186,7 +186,7 @@ class Trainer:
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
         self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = trainable = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.ndim >= 2]
         no_decay = [p for p in trainable if p.ndim < 2]
         self.opt = torch.optim.AdamW(
@@ -394,29 +394,12 @@ class Trainer:
             log_path.unlink()
         if self.rank == 0 and cfg.resume:
             _truncate_log(log_path, self.step)
-        params = [p for p in self.model.parameters() if p.requires_grad]
         bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step") if self.rank == 0 else None
         t_start, tok_seen = time.time(), 0
         last_eval = None
         while self.step < self.total_steps:
             epoch, batches = self.schedule.step_batches(self.step)
-            denom = self._denoms(batches)
-            mine = [b for k, b in enumerate(batches) if k % self.world == self.rank]
-            self.opt.zero_grad(set_to_none=True)
-            agg = {"loss_sum": [0.0] * cfg.ttt_steps, "correct": [0.0] * cfg.ttt_steps, "count": [0.0] * cfg.ttt_steps, "loss_count": [0.0] * cfg.ttt_steps}
-            n_tok, loss_val = 0, 0.0
-            for idx in mine:
-                loss, stats, nt = self._forward(idx, denom)
-                loss.backward()
-                loss_val += float(loss.detach())
-                n_tok += nt
-                for k in agg:
-                    agg[k] = [a + s for a, s in zip(agg[k], stats[k])]
-            if self.world > 1:
-                loss_val, n_tok, agg = self._allreduce(params, loss_val, n_tok, agg)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            self.opt.step()
-            self.sched.step()
+            loss_val, n_tok, agg, gnorm = self.optimizer_step(batches)
             self.step += 1
             tok_seen += n_tok
             if self.rank == 0:
@@ -446,6 +429,29 @@ class Trainer:
             if self._owns_pg:
                 self.dist.destroy_process_group()
         return {"step": self.step, "eval": last_eval, "checkpoint": final}
+
+    def optimizer_step(self, batches: list[list[int]]) -> tuple[float, int, dict, float]:
+        """One optimizer step over the micro-batches `batches` (this rank's share of them):
+        (loss, tokens, per-TTT-step stat sums, gradient norm before clipping)."""
+        cfg, params = self.cfg, self.params
+        denom = self._denoms(batches)
+        mine = [b for k, b in enumerate(batches) if k % self.world == self.rank]
+        self.opt.zero_grad(set_to_none=True)
+        agg = {"loss_sum": [0.0] * cfg.ttt_steps, "correct": [0.0] * cfg.ttt_steps, "count": [0.0] * cfg.ttt_steps, "loss_count": [0.0] * cfg.ttt_steps}
+        n_tok, loss_val = 0, 0.0
+        for idx in mine:
+            loss, stats, nt = self._forward(idx, denom)
+            loss.backward()
+            loss_val += float(loss.detach())
+            n_tok += nt
+            for k in agg:
+                agg[k] = [a + s for a, s in zip(agg[k], stats[k])]
+        if self.world > 1:
+            loss_val, n_tok, agg = self._allreduce(params, loss_val, n_tok, agg)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        self.opt.step()
+        self.sched.step()
+        return loss_val, n_tok, agg, gnorm
 
     def _allreduce(self, params, loss_val, n_tok, agg):
         dist = self.dist
