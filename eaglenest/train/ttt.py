@@ -68,8 +68,8 @@ class Teacher:
             if self.norm_weight is not None:
                 h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
             h = h.to(self.matmul_dtype)
-            if argmax is None:
-                arg[s : s + chunk] = (h @ W.T).argmax(-1)
+            if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide)
+                arg[s : s + chunk] = (h @ W.T).max(-1).indices
             probs[s : s + chunk] = torch.softmax((h @ Wd.T).float(), dim=-1)  # once per batch, not per TTT step
         return probs, arg
 
