@@ -23,7 +23,7 @@ PRESETS = {
     "full": {
         # Held-out accuracy is limited by optimizer steps and by unique data (a 4th epoch over 300
         # conversations overfit), so: small batches (1024 tokens), as many conversations as the
-        # budget holds (1,500: ~22 min here), 2 epochs.
+        # budget holds (1,500: 23.3 min here), 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
         # instructions (AMX/AVX512-BF16: 1.8x the tokens/s of fp32 here, same accuracy), and the eval
         # decodes in 2 processes (1.35x).  See bench/results/demo_full.json for the measured run.

@@ -26,7 +26,7 @@ from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
 from eaglenest.features import FeatureStore
 from eaglenest.train.data import Schedule, collate, split
 from eaglenest.train.ttt import Teacher, denominators, ttt_forward
-from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, atomic_write_json, progress, read_json
+from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, atomic_write_json, progress, read_json, release_free_heap
 
 
 @dataclass
@@ -64,6 +64,7 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
+TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stays ~1/3 (train_cpu_memory.json)
 ARGMAX_CACHE_TOKENS = 1 << 28  # 1 GiB of int32: beyond that, later epochs recompute the target's argmax
 
 
@@ -414,6 +415,8 @@ class Trainer:
                 _tensorboard(self.out, rec)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if self.device_type == "cpu" and self.step % TRIM_EVERY == 0:
+                release_free_heap()
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
                 self.save()
         if bar:
