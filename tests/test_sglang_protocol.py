@@ -155,6 +155,41 @@ class GenerateReqInput:
     return_hidden_states = False
     return_prompt_token_ids = False
 """,
+    "sglang/srt/models/qwen2.py": """
+class Qwen2DecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
+class Qwen2Model:
+    def forward(self, input_ids, positions, forward_batch):
+        self.layers[0](capture_output=None)
+""",
+    "sglang/srt/models/qwen3.py": """
+class Qwen3DecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
+class Qwen3Model:
+    def forward(self, input_ids, positions, forward_batch):
+        self.layers[0](capture_output=None)
+""",
+    "sglang/srt/models/qwen2_moe.py": """
+class Qwen2MoeModel:
+    def forward(self, input_ids, positions, forward_batch):
+        if forward_batch.can_run_tbo:
+            model_forward_stages()
+        self.layers[0](captured_last_layer_outputs=None)
+""",
+    "sglang/srt/models/qwen3_moe.py": """
+class Qwen3MoeDecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, captured_last_layer_outputs=None, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture_gathered=captured_last_layer_outputs)
+""",
+    "sglang/srt/runtime_context.py": """
+class ParallelContext:
+    def _read(self, name):
+        return config._fields
+def get_parallel():
+    return _PARALLEL
+""",
     "sglang/_version.py": "__version__ = version = '0.5.23'\n",
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -48,6 +49,9 @@ def register(sub) -> None:
     g.add_argument("--python", help="python executable of the SGLang environment (default: this python)")
     g.add_argument("--source", help="a directory containing the `sglang` package source (e.g. an unpacked wheel)")
     c.add_argument("--allow-version-mismatch", action="store_true", help="exit 0 on another SGLang version if the hook points exist")
+    c.add_argument("--cpu", action="store_true",
+                   help="the environment is eaglenest's SGLang CPU environment (scripts/setup_sglang.sh): import SGLang "
+                   "the way eaglenest starts it there (its launcher and sgl_kernel compatibility module on the path)")
     c.set_defaults(func=_check)
     m = s.add_parser("command", help="print the SGLang launch command for a mode")
     m.add_argument("--model", required=True, help="target checkpoint directory (as the server sees it)")
@@ -155,10 +159,18 @@ def _uninstall(args) -> int:
 # ------------------------------------------------------------------------------------- check
 
 
-def probe(python: str) -> dict:
-    """Run the plugin file's `probe` inside another interpreter (it imports no eaglenest)."""
+def probe(python: str, cpu: bool = False) -> dict:
+    """Run the plugin file's `probe` inside another interpreter (it imports no eaglenest, unless
+    `cpu`: then eaglenest's launcher prepares the process first, as for the servers eaglenest starts)."""
+    env = None
+    if cpu:
+        from eaglenest.engines.sglang import cpu_server_pythonpath
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, cpu_server_pythonpath())),
+                   **{plugin.ENV_CPU_LAUNCHER: "1"})
     try:
-        out = subprocess.run([python, str(Path(plugin.__file__)), "probe"], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([python, str(Path(plugin.__file__)), "probe"], capture_output=True, text=True, timeout=300,
+                             env=env)
     except (OSError, subprocess.SubprocessError) as e:
         raise EaglenestError(f"cannot run {python}: {e}") from None
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
@@ -185,24 +197,27 @@ def source_version(root: Path) -> str | None:
     return None
 
 
-def check_report(source: str | None = None, python: str | None = None) -> dict:
+def check_report(source: str | None = None, python: str | None = None, cpu: bool = False) -> dict:
     if source:
         root = Path(source)
         if not (root / "sglang").is_dir():
             raise EaglenestError(f"{root} has no sglang/ package directory")
         return {"package_root": str(root), "sglang_version": source_version(root), "importable": None,
                 "hook_points": plugin.check_source_tree(str(root)), "plugin_installed": None}
-    return probe(python or sys.executable)
+    return probe(python or sys.executable, cpu=cpu)
 
 
 def _check(args) -> int:
-    r = check_report(args.source, args.python)
+    r = check_report(args.source, args.python, cpu=getattr(args, "cpu", False))
     version = r.get("sglang_version")
     if not r.get("package_root"):
         raise EaglenestError(f"no sglang package found by {args.python or sys.executable}")
     print(f"SGLang {version or '(version unknown)'} at {r['package_root']} (eaglenest targets {plugin.TARGET_SGLANG_VERSION})")
     if r.get("importable") is not None:
         print(f"import sglang: {'ok' if r['importable'] else 'fails (' + str(r.get('import_error')) + '); checked the source files'}")
+    if r.get("importable"):
+        src = r.get("tp_rank_source")
+        print(f"tensor-parallel rank: {'read from ' + src if src else 'NOT readable (' + str(r.get('import_error')) + ')'}")
     bad = 0
     for what, ok, detail in r.get("hook_points") or []:
         print(f"  {'ok  ' if ok else 'FAIL'} {what}{'' if ok else ': ' + detail}")
@@ -213,6 +228,8 @@ def _check(args) -> int:
     mismatch = version != plugin.TARGET_SGLANG_VERSION
     if mismatch:
         print(f"version: SGLang {version} is not the targeted {plugin.TARGET_SGLANG_VERSION}")
+    if r.get("importable") and not r.get("tp_rank_source"):
+        bad += 1
     if bad:
         print(f"{bad} hook point(s) missing: the plugin cannot work with this SGLang")
         return 1
