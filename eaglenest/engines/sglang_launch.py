@@ -96,8 +96,7 @@ def prepare_process() -> dict:
     return {"cpu_reports_amx": force_torch_native(), "torchvision_schemas": declare_torchvision_schemas()}
 
 
-def main(argv: list[str]) -> None:
-    facts = prepare_process()  # already done at import; returns the same facts
+def main(argv: list[str], facts: dict) -> None:
     print(f"eaglenest sglang launcher: torch-native CPU path (the CPU reports AMX: {facts['cpu_reports_amx']}; "
           f"forced off), torchvision schemas declared: {facts['torchvision_schemas'] or 'none needed'}",
           file=sys.stderr, flush=True)
@@ -106,6 +105,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the launch, and every process SGLang spawns from it
-    prepare_process()
+    _facts = prepare_process()
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1:], _facts)
