@@ -135,6 +135,11 @@ class FlakyProxy:
         self.close()
 
     # -- faults
+    def seen(self, prompt) -> list[str]:
+        """What the proxy did to each request carrying `prompt`, in arrival order ("ok" = forwarded)."""
+        h = hash(tuple(prompt))
+        return [k for k, _, ph in self.log if ph == h]
+
     def _fault_for(self, prompt) -> str | None:
         key = tuple(prompt) if isinstance(prompt, list) else None
         with self.lock:
@@ -144,6 +149,25 @@ class FlakyProxy:
             n = self.hits.get(key, 0)
             self.hits[key] = n + 1
             return kind if times is None or n < times else None
+
+
+# what the client must have logged for an attempt the proxy treated this way ("ok": forwarded)
+CLIENT_REASON = {"503": "http_5xx", "reset": "connection", "timeout": "timeout", "restart": "connection",
+                 "echo": "ok", "nan": "ok", "ok": "ok"}
+
+
+def check_client_account(record: dict | None, seen: list[str]) -> None:
+    """The client's own record of one sample's request (engines/http.py; None: one clean attempt)
+    against what the proxy did to each of its attempts, in order.  Every attempt reached the proxy;
+    an injected fault must be logged with its reason; a forwarded attempt either succeeded or timed
+    out on the client's side (a slow server: a real timeout, not an injected one)."""
+    failed = record["failed_attempts"] if record else []
+    outcome = record["outcome"] if record else "ok"
+    logged = failed + (["ok"] if outcome == "ok" else [])
+    assert len(logged) == len(seen), (logged, seen)
+    for got, did in zip(logged, seen):
+        want = CLIENT_REASON[did]
+        assert got == want or (did in ("ok", "echo", "nan") and got == "timeout"), (logged, seen)
 
 
 def prompt_of(payload: dict):

@@ -48,7 +48,8 @@ def chat_ids(model_dir, questions: list[str]) -> list[list[int]]:
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], n: int, dtype: str = "fp32") -> list[list[int]]:
-    """HF greedy continuations (n tokens, no early stop) of each prompt, one at a time."""
+    """HF greedy continuations of each prompt, one at a time: at most n tokens, ending with the
+    model's end-of-sequence token when it comes first (as SGLang's do)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,8 +58,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], n: int, dtype: str = "fp32") 
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids])
-            g = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            g = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
             out.append(g[0, len(ids):].tolist())
     return out
 

@@ -1,7 +1,8 @@
 """Live: `--sglang-serve` -- eaglenest starts SGLang 0.5.23's CPU engine itself (127.0.0.1, a free
 port, the log kept where --sglang-log says) and stops it when the command ends: capture through the
-plugin on non-canonical layers equals the hf engine; `eval --engine sglang --sglang-serve` serves our
-exported draft with --speculative-algorithm EAGLE3 (see the test for what SGLang's CPU path does)."""
+plugin on non-canonical layers at tensor parallelism 2 equals the hf engine, written by rank 0 only;
+`eval --engine sglang --sglang-serve` with our exported draft (--speculative-algorithm EAGLE3) stops
+with the exact reason SGLang's CPU path cannot serve it."""
 
 from __future__ import annotations
 
@@ -23,22 +24,42 @@ def data_dir(tmp_path_factory, smollm2):
     return make_tiny_data(tmp_path_factory.mktemp("sgl_serve_data"), str(smollm2), n=4, max_length=160)
 
 
-def test_capture_with_sglang_serve(smollm2, data_dir, tmp_path):
+def test_capture_with_sglang_serve_at_tp_2(smollm2, data_dir, tmp_path, monkeypatch):
+    """`capture --sglang-serve` on non-canonical layers, with the started server at tensor
+    parallelism 2 (two scheduler processes on the CPU, one core each, gloo): the features equal the
+    hf engine's, both ranks load the plugin, and every capture file the client reads was written by
+    TP rank 0, always by the same process."""
     import httpx
 
     from eaglenest.cli import main
+    from eaglenest.engines import sglang_plugin
     from test_sglang_live import _stores_agree
 
     hf = tmp_path / "hf"
     assert main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(hf), "--engine", "hf",
                  "--dtype", "fp32", "--device", "cpu", "--layers", LAYERS]) == 0
+    read = []
+    real_read = sglang_plugin.read_dump
+
+    def spy(path):  # watches what the client reads; the files themselves are the server's
+        t, meta = real_read(path)
+        read.append(meta)
+        return t, meta
+
+    monkeypatch.setattr(sglang_plugin, "read_dump", spy)
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")  # SGLang's CPU TP: one core per rank
     log = tmp_path / "server.log"
     out = tmp_path / "sgl"
     assert main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", "sglang",
-                 "--sglang-serve", "--sglang-log", str(log), "--dtype", "fp32", "--layers", LAYERS]) == 0
+                 "--sglang-serve", "--sglang-log", str(log), "--dtype", "fp32", "--layers", LAYERS,
+                 "--sglang-arg=--tp-size=2", "--sglang-batch", "2"]) == 0
     _stores_agree(out, hf)
     text = log.read_text(errors="replace")
-    assert "eaglenest capture: observing sglang.srt.models.llama.LlamaModel.forward" in text and "layers [3, 15, 26]" in text
+    observing = set(re.findall(r"observing sglang\.srt\.models\.llama\.LlamaModel\.forward \(pid (\d+), layers \[3, 15, 26\]",
+                               text))
+    assert len(observing) == 2, observing  # the plugin is active in both TP processes
+    assert read and {m["tp_rank"] for m in read} == {"0"} and len({m["pid"] for m in read}) == 1
+    assert {m["pid"] for m in read} <= observing
     assert "torch-native CPU path" in text  # eaglenest's launcher ran
     port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", text).group(1)
     with pytest.raises(httpx.TransportError):  # stopped at the end of the command

@@ -682,6 +682,8 @@ class SGLangEngine(Engine):
                 return Failure(r.id, "bad_staging_file", f"{f}: {type(e).__name__}: {e}")
             if meta.get("rid") != rid:
                 return Failure(r.id, "bad_staging_file", f"{f} is for rid {meta.get('rid')!r}")
+            if meta.get("tp_rank", "0") != "0":  # only rank 0 may write: another writer is a plugin fault
+                return Failure(r.id, "bad_staging_file", f"{f} was written by TP rank {meta['tp_rank']}")
             lids = json.loads(meta.get("layer_ids", "[]"))
             if lids != list(self.layer_ids):
                 return Failure(r.id, "layer_mismatch", f"the plugin captured layers {lids}, this run wants {self.layer_ids}")

@@ -292,6 +292,7 @@ class _Plan:
     ranges: list[tuple[int, int]]  # rows of each request in the packed batch
     total_rows: int  # rows the whole batch occupies (all requests)
     error: tuple[str, str] | None = None
+    tp_rank: int | None = None
     captured: dict = field(default_factory=dict)
 
 
@@ -385,11 +386,11 @@ class Observer:
             return _Plan([], [rids[j] for j in ours], [], [], 0,
                          error=("tp_rank_unknown", f"cannot read the tensor-parallel rank ({type(e).__name__}: {e})"))
         if rank != 0:
-            return None
+            return None  # only TP rank 0 copies to the host and writes (every rank holds the same rows)
         n_layers = int(model.config.num_hidden_layers)
         layer_ids = list(self.layer_ids or default_layer_ids(n_layers))
         seq, pre = _lens(fb, "extend_seq_lens"), _lens(fb, "extend_prefix_lens")
-        p = _Plan(layer_ids, [rids[j] for j in ours], [], [], 0)
+        p = _Plan(layer_ids, [rids[j] for j in ours], [], [], 0, tp_rank=rank)
         if seq is None or pre is None or len(seq) != len(rids) or len(pre) != len(rids):
             p.error = ("bad_layout", f"extend_seq_lens/extend_prefix_lens do not match the batch's {len(rids)} rids")
             return p
@@ -513,7 +514,8 @@ class Observer:
         ids = torch.cat([i for _, i in parts], 0)
         aux = torch.cat([p.captured[k] for k in p.layer_ids], dim=-1)
         aux, last, ids = aux.to("cpu"), last.to("cpu"), ids.to("cpu")  # one synchronizing copy per forward
-        extra = {"sglang_version": self.sglang_version, "model_class": type(model).__name__}
+        extra = {"sglang_version": self.sglang_version, "model_class": type(model).__name__, "tp_rank": p.tp_rank,
+                 "pid": os.getpid()}
         row = 0
         for rid, start, (a, b) in zip(p.rids, p.starts, p.ranges):
             n = b - a
