@@ -26,8 +26,7 @@ from sglang_live import REPO, chat_ids, hf_greedy, requires_sglang, served, sgla
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, requires_sglang]
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
-             "Explain photosynthesis in one sentence.", "List three prime numbers."]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn leaves.", "List three prime numbers."]
 N_NEW = 16
 AUX_IDS = [1, 14, 26]  # what a draft's eagle_config would say (output-of): Llama adds 1 -> [2, 15, 27]
 
@@ -158,9 +157,9 @@ def test_regenerate_equals_the_hf_engine(smollm2, data_dir, main_server, tmp_pat
     for engine, extra in (("sglang", ["--sglang-url", main_server]), ("hf", ["--device", "cpu"])):
         out = tmp_path / engine
         assert main(["regenerate", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", engine,
-                     "--temperature", "0", "--max-new-tokens", "24", "--limit", "3", "--dtype", "fp32", *extra]) == 0
+                     "--temperature", "0", "--max-new-tokens", "16", "--limit", "2", "--dtype", "fp32", *extra]) == 0
         rows[engine] = {r["id"]: r for r in map(json.loads, (out / "regenerate.jsonl").read_text().splitlines())}
-    assert sorted(rows["sglang"]) == sorted(rows["hf"]) and len(rows["hf"]) == 3
+    assert sorted(rows["sglang"]) == sorted(rows["hf"]) and len(rows["hf"]) == 2
     for sid, r in rows["hf"].items():
         assert rows["sglang"][sid]["input_ids"] == r["input_ids"] and rows["sglang"][sid]["loss_mask"] == r["loss_mask"]
 

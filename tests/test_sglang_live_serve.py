@@ -60,7 +60,9 @@ def test_capture_with_sglang_serve_at_tp_2(smollm2, data_dir, tmp_path, monkeypa
     assert len(observing) == 2, observing  # the plugin is active in both TP processes
     assert read and {m["tp_rank"] for m in read} == {"0"} and len({m["pid"] for m in read}) == 1
     assert {m["pid"] for m in read} <= observing
-    assert "torch-native CPU path" in text  # eaglenest's launcher ran
+    assert "torch-native CPU path" in text  # eaglenest's launcher ran, and prepared the processes SGLang spawned
+    prepared = set(re.findall(r"eaglenest sglang launcher: prepared spawned process (\d+)", text))
+    assert observing <= prepared, (observing, prepared)
     port = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", text).group(1)
     with pytest.raises(httpx.TransportError):  # stopped at the end of the command
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

@@ -259,6 +259,10 @@ def test_launch_commands():
     assert "EAGLENEST_SGLANG_LAYERS=3,16,29" in pcli.launch_command("/m", "plugin", layer_ids=[3, 16, 29], num_layers=32)
     aux = pcli.launch_command("/m", "stock-aux", layer_ids=[2, 16, 29], num_layers=32)
     assert "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids 1 15 28" in aux
+    ds = pcli.launch_command("/m", "stock-aux", layer_ids=[3, 16, 29], num_layers=32, architecture="DeepseekV3ForCausalLM")
+    assert "--return-aux-hidden-state-layer-ids 3 16 29" in ds  # DeepSeek: as given unless the first id is 1
+    with pytest.raises(Exception, match="cannot capture before layers"):
+        pcli.launch_command("/m", "stock-aux", layer_ids=[1, 16, 29], num_layers=32, architecture="DeepseekV3ForCausalLM")
     d = pcli.launch_command("/m", "serve-draft", layer_ids=[2, 16, 29], num_layers=32, draft="/d", steps=3, topk=1)
     assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3 "
             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in d

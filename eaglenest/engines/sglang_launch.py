@@ -106,5 +106,8 @@ def main(argv: list[str], facts: dict) -> None:
 
 if __name__ in ("__main__", "__mp_main__"):  # the launch, and every process SGLang spawns from it
     _facts = prepare_process()
+    if __name__ == "__mp_main__":  # the server log shows which processes were prepared
+        print(f"eaglenest sglang launcher: prepared spawned process {os.getpid()} (AMX probe forced off)",
+              file=sys.stderr, flush=True)
 if __name__ == "__main__":
     main(sys.argv[1:], _facts)

@@ -241,7 +241,7 @@ def _check(args) -> int:
 
 def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: int, staging: str = plugin.DEFAULT_DIR,
                    port: int = 30000, draft: str | None = None, steps: int = 3, topk: int = 1,
-                   num_draft_tokens: int | None = None) -> str:
+                   num_draft_tokens: int | None = None, architecture: str = "LlamaForCausalLM") -> str:
     """The SGLang 0.5.23 server command for one of eaglenest's modes (flags: docs/sglang.md)."""
     base = f"python -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port}"
     if mode == "plugin":
@@ -252,9 +252,15 @@ def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: i
     if mode == "stock-final":
         return f"{base} --enable-return-hidden-states --disable-radix-cache"
     if mode == "stock-aux":
-        # --return-aux-hidden-state-layer-ids goes to set_eagle3_layers_to_capture, which adds 1 (Llama):
-        # output-of ids, i.e. capture-before ids minus one
-        out_of = " ".join(str(k - 1) for k in layer_ids)
+        # --return-aux-hidden-state-layer-ids goes through set_eagle3_layers_to_capture: the model
+        # family's rule decides which ids make SGLang capture these layers
+        from eaglenest.engines.sglang import sglang_layer_ids_for
+
+        ids = sglang_layer_ids_for(architecture, layer_ids)
+        if ids is None:
+            raise EaglenestError(f"SGLang 0.5.23 cannot capture before layers {layer_ids} of a {architecture} model "
+                                 "(its rule adds 1 only when the first id is 1)")
+        out_of = " ".join(map(str, ids))
         return (f"{base} --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
                 f"--return-aux-hidden-state-layer-ids {out_of} --disable-radix-cache")
     if mode == "serve-draft":
@@ -269,14 +275,17 @@ def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: i
 def _command(args) -> int:
     from eaglenest.capture.layers import parse_layer_ids
 
-    n = args.num_layers
-    if n is None:
-        try:
-            cfg = json.loads((Path(args.model) / "config.json").read_text())
-            n = int(cfg.get("text_config", cfg)["num_hidden_layers"])
-        except (OSError, ValueError, KeyError) as e:
+    n, arch = args.num_layers, "LlamaForCausalLM"
+    try:
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        arch = (cfg.get("architectures") or [arch])[0]
+        n = n or int(cfg.get("text_config", cfg)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        if n is None:
             raise EaglenestError(f"cannot read {args.model}/config.json ({e}): pass --num-layers") from None
+        print(f"note: {args.model}/config.json unreadable ({e}): assuming a Llama-family model", file=sys.stderr)
     ids = parse_layer_ids(args.layers, n)
     print(launch_command(args.model, args.mode, layer_ids=ids, num_layers=n, staging=args.staging, port=args.port,
-                         draft=args.draft, steps=args.steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens))
+                         draft=args.draft, steps=args.steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                         architecture=arch))
     return 0
