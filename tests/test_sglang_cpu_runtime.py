@@ -29,11 +29,41 @@ def test_force_torch_native_overrides_a_probe_that_reports_amx(monkeypatch):
     assert torch.cpu._is_amx_tile_supported() is False
 
 
-def test_torchvision_schemas_only_when_its_ops_do_not_load(monkeypatch, tmp_path):
-    import importlib.util
+@pytest.mark.skipif(sglang_python() is None, reason="needs the SGLang environment's torchvision (.venv-sglang)")
+def test_torchvision_imports_on_the_cpu_torch_only_with_the_declared_schemas():
+    """PyPI's torchvision 0.28 (CUDA-linked) in the CPU environment: its import fails on its own,
+    works after declare_torchvision_schemas(), and its ops still refuse to run."""
+    import json
+    import subprocess
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert sglang_launch.declare_torchvision_schemas() == []  # no torchvision: nothing to declare
+    code = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+out = {}
+if sys.argv[2] == "declare":
+    from eaglenest.engines.sglang_launch import declare_torchvision_schemas
+    out["declared"] = declare_torchvision_schemas()
+try:
+    import torch, torchvision, torchvision.transforms
+    out["import"] = "ok"
+    try:
+        torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+        out["nms"] = "ran"
+    except Exception as e:
+        out["nms"] = type(e).__name__
+except Exception as e:
+    out["import"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+    got = {}
+    for how in ("bare", "declare"):
+        r = subprocess.run([str(sglang_python()), "-c", code, str(Path(eng.REPO_ROOT)), how], capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-1500:]
+        got[how] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "operator torchvision::nms does not exist" in got["bare"]["import"]
+    assert got["declare"]["declared"] == ["nms", "qnms"] and got["declare"]["import"] == "ok"
+    assert got["declare"]["nms"] != "ran"
 
 
 @pytest.fixture
