@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   -- the whole pipeline on the real SmolLM2 target (prepare, capture, train, export, eval)
-#   make test   -- the test suite (unit + end-to-end on SmolLM2 + live vLLM on CPU)
+#   make test   -- the test suite (unit + end-to-end on SmolLM2 + live vLLM and SGLang on CPU)
 # Both create ./.venv when missing. torch: an existing torch in the venv (e.g. a CUDA build) is
 # kept; otherwise `pip install torch==2.13.0` (this machine's local CPU wheel).
 
@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 DEMO_OUT ?= demo-out
 PYTEST_ARGS ?=
 
-.PHONY: env vllm-env test test-fast demo demo-quick clean
+.PHONY: env vllm-env sglang-env test test-fast demo demo-quick clean
 
 $(VENV)/.eaglenest-installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,12 +28,15 @@ env: $(VENV)/.eaglenest-installed
 vllm-env:
 	bash scripts/setup_vllm.sh
 
-test: env vllm-env
+sglang-env:
+	bash scripts/setup_sglang.sh
+
+test: env vllm-env sglang-env
 	$(PY) -m eaglenest model fetch smollm2
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: env
-	$(PY) -m pytest -q -ra -m "not slow and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -m "not slow and not vllm and not sglang" $(PYTEST_ARGS)
 
 demo: env
 	$(PY) -m eaglenest demo --out $(DEMO_OUT)

@@ -1,8 +1,9 @@
-"""A fault-injecting HTTP proxy on 127.0.0.1, put in front of a real engine server by the
-reliability tests.
+"""A fault-injecting HTTP proxy on 127.0.0.1, put in front of a real engine server (vLLM's
+/v1/completions or SGLang's /generate) by the reliability tests.
 
-Faults are chosen per request by the request's prompt (so that they hit a known sample whatever
-the concurrency), each for the first `times` requests carrying that prompt (None: every time):
+Faults are chosen per request by the request's prompt -- vLLM's `prompt`, or SGLang's `input_ids`
+(a one-sample batch: send with --sglang-batch 1) -- so that they hit a known sample whatever the
+concurrency, each for the first `times` requests carrying that prompt (None: every time):
 
   "503"      answer HTTP 503 without forwarding
   "reset"    drop the connection without an answer (TCP RST)
@@ -10,7 +11,9 @@ the concurrency), each for the first `times` requests carrying that prompt (None
   "restart"  the proxy goes away: its listening socket closes for `down` seconds (connections
              refused, in-flight requests reset), like a server restarting, then comes back
   "echo"     forward, then corrupt the echoed prompt_token_ids (drop the last id)
-  "nan"      forward, then write NaN into the hidden-state file the server staged
+  "nan"      forward, then write NaN into the hidden-state file the server staged (vLLM)
+
+`bodies` keeps every request body the proxy saw (tests check what the client sent).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class FlakyProxy:
         self.hold, self.down = hold, down
         self.hits: dict[tuple[int, ...], int] = {}
         self.log: list[tuple[str, str, int]] = []  # (fault or "ok", path, hash of the prompt)
+        self.bodies: list[dict] = []
         self.lock = threading.Lock()
         self.http = httpx.Client(timeout=600.0)
         self.httpd: _Server | None = None
@@ -74,8 +78,10 @@ class FlakyProxy:
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 payload = json.loads(raw or b"{}")
-                fault = outer._fault_for(payload.get("prompt"))
-                outer.log.append((fault or "ok", self.path, hash(tuple(payload.get("prompt") or ()))))
+                outer.bodies.append(payload)
+                prompt = prompt_of(payload)
+                fault = outer._fault_for(prompt)
+                outer.log.append((fault or "ok", self.path, hash(tuple(prompt or ()))))
                 if fault == "503":
                     return self._send(503, b'{"error": "injected: service unavailable"}')
                 if fault == "reset":
@@ -90,7 +96,9 @@ class FlakyProxy:
                 body = r.content
                 if r.status_code == 200 and fault in ("echo", "nan"):
                     data = r.json()
-                    if fault == "echo":
+                    if fault == "echo" and isinstance(data, list):  # SGLang: a batch of outputs
+                        data[0]["prompt_token_ids"] = data[0]["prompt_token_ids"][:-1]
+                    elif fault == "echo":
                         data["choices"][0]["prompt_token_ids"] = data["choices"][0]["prompt_token_ids"][:-1]
                     else:
                         poison_hidden_states(data["kv_transfer_params"]["hidden_states_path"])
@@ -127,6 +135,11 @@ class FlakyProxy:
         self.close()
 
     # -- faults
+    def seen(self, prompt) -> list[str]:
+        """What the proxy did to each request carrying `prompt`, in arrival order ("ok" = forwarded)."""
+        h = hash(tuple(prompt))
+        return [k for k, _, ph in self.log if ph == h]
+
     def _fault_for(self, prompt) -> str | None:
         key = tuple(prompt) if isinstance(prompt, list) else None
         with self.lock:
@@ -136,6 +149,35 @@ class FlakyProxy:
             n = self.hits.get(key, 0)
             self.hits[key] = n + 1
             return kind if times is None or n < times else None
+
+
+# what the client must have logged for an attempt the proxy treated this way ("ok": forwarded)
+CLIENT_REASON = {"503": "http_5xx", "reset": "connection", "timeout": "timeout", "restart": "connection",
+                 "echo": "ok", "nan": "ok", "ok": "ok"}
+
+
+def check_client_account(record: dict | None, seen: list[str]) -> None:
+    """The client's own record of one sample's request (engines/http.py; None: one clean attempt)
+    against what the proxy did to each of its attempts, in order.  Every attempt reached the proxy;
+    an injected fault must be logged with its reason; a forwarded attempt either succeeded or timed
+    out on the client's side (a slow server: a real timeout, not an injected one)."""
+    failed = record["failed_attempts"] if record else []
+    outcome = record["outcome"] if record else "ok"
+    logged = failed + (["ok"] if outcome == "ok" else [])
+    assert len(logged) == len(seen), (logged, seen)
+    for got, did in zip(logged, seen):
+        want = CLIENT_REASON[did]
+        assert got == want or (did in ("ok", "echo", "nan") and got == "timeout"), (logged, seen)
+
+
+def prompt_of(payload: dict):
+    """The one prompt of a request: vLLM's `prompt`, or the only row of SGLang's `input_ids`."""
+    if "prompt" in payload:
+        return payload["prompt"]
+    ids = payload.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return ids[0] if len(ids) == 1 else None
+    return ids
 
 
 def poison_hidden_states(path: str) -> None:

@@ -64,7 +64,8 @@ class SGLangStandIn:
             self.shaped.layers_to_capture = list(self.layer_ids)
         self.observer = None
         if kind == "plugin":
-            self.observer = plugin.Observer(str(staging), layer_ids=layer_ids, sglang_version=version)
+            # not SGLang: there is no runtime_context to read a rank from (the real read is tested live)
+            self.observer = plugin.Observer(str(staging), layer_ids=layer_ids, sglang_version=version, rank_fn=lambda: 0)
             self.observer.write_marker()
         self.spec_steps = spec_steps
         self.version = version

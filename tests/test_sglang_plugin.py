@@ -39,7 +39,7 @@ def make(tmp_path, flavour, layer_ids=LAYERS):
     build, spec = CASES[flavour]
     hf = build()
     model = ShapedModel(hf, flavour)
-    obs = plugin.Observer(str(tmp_path), layer_ids=layer_ids, sglang_version="0.5.23",
+    obs = plugin.Observer(str(tmp_path), layer_ids=layer_ids, sglang_version="0.5.23", rank_fn=lambda: 0,
                           writer=plugin.DumpWriter(str(tmp_path), threaded=True))
     return hf, model, spec, obs
 
@@ -100,6 +100,18 @@ def test_two_batch_overlap_is_reported_not_written(tmp_path):
         assert err["reason"] == "tbo_unobservable" and "two-batch overlap" in err["message"]
 
 
+def test_an_unreadable_rank_writes_an_error_not_rank_0_data(tmp_path):
+    """Without SGLang's runtime_context (here: no sglang at all) the rank is unknown: the plugin
+    must not act as rank 0 (at TP > 1 every rank would write the same files)."""
+    hf, model, spec, _ = make(tmp_path, "llama")
+    obs = plugin.Observer(str(tmp_path), layer_ids=LAYERS, writer=plugin.DumpWriter(str(tmp_path), threaded=False))
+    out = run(obs, spec, model, REQS, ["eaglenest-cap-r0", "eaglenest-cap-r1", "eaglenest-cap-r2"])
+    assert out.shape[0] == sum(map(len, REQS))
+    assert not list(tmp_path.glob("*.safetensors"))
+    err = json.loads((tmp_path / plugin.error_name("eaglenest-cap-r1")).read_text())
+    assert err["reason"] == "tp_rank_unknown" and "sglang" in err["message"]
+
+
 def test_a_layer_that_never_reports_is_an_error(tmp_path):
     """If a layer runs without the capture argument (here: the plan thinks the loop covers every
     layer, but layer 4 goes through forward_stages), no partial file is written."""
@@ -154,7 +166,8 @@ def test_patch_class_wraps_forward_once_and_keeps_original(tmp_path):
     class M(ShapedModel):
         forward = ShapedModel.forward
 
-    obs = plugin.Observer(str(tmp_path), layer_ids=LAYERS, writer=plugin.DumpWriter(str(tmp_path), threaded=False))
+    obs = plugin.Observer(str(tmp_path), layer_ids=LAYERS, writer=plugin.DumpWriter(str(tmp_path), threaded=False),
+                          rank_fn=lambda: 0)
     orig = M.__dict__["forward"]
     assert plugin.patch_class(M, plugin.LLAMA, obs) is True
     assert plugin.patch_class(M, plugin.LLAMA, obs) is False  # idempotent

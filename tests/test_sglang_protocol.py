@@ -155,6 +155,41 @@ class GenerateReqInput:
     return_hidden_states = False
     return_prompt_token_ids = False
 """,
+    "sglang/srt/models/qwen2.py": """
+class Qwen2DecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
+class Qwen2Model:
+    def forward(self, input_ids, positions, forward_batch):
+        self.layers[0](capture_output=None)
+""",
+    "sglang/srt/models/qwen3.py": """
+class Qwen3DecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
+class Qwen3Model:
+    def forward(self, input_ids, positions, forward_batch):
+        self.layers[0](capture_output=None)
+""",
+    "sglang/srt/models/qwen2_moe.py": """
+class Qwen2MoeModel:
+    def forward(self, input_ids, positions, forward_batch):
+        if forward_batch.can_run_tbo:
+            model_forward_stages()
+        self.layers[0](captured_last_layer_outputs=None)
+""",
+    "sglang/srt/models/qwen3_moe.py": """
+class Qwen3MoeDecoderLayer:
+    def forward(self, positions, hidden_states, forward_batch, captured_last_layer_outputs=None, capture_output=None):
+        return self.attn_boundary.prepare(hidden_states, forward_batch, capture_gathered=captured_last_layer_outputs)
+""",
+    "sglang/srt/runtime_context.py": """
+class ParallelContext:
+    def _read(self, name):
+        return config._fields
+def get_parallel():
+    return _PARALLEL
+""",
     "sglang/_version.py": "__version__ = version = '0.5.23'\n",
 }
 
@@ -224,6 +259,10 @@ def test_launch_commands():
     assert "EAGLENEST_SGLANG_LAYERS=3,16,29" in pcli.launch_command("/m", "plugin", layer_ids=[3, 16, 29], num_layers=32)
     aux = pcli.launch_command("/m", "stock-aux", layer_ids=[2, 16, 29], num_layers=32)
     assert "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids 1 15 28" in aux
+    ds = pcli.launch_command("/m", "stock-aux", layer_ids=[3, 16, 29], num_layers=32, architecture="DeepseekV3ForCausalLM")
+    assert "--return-aux-hidden-state-layer-ids 3 16 29" in ds  # DeepSeek: as given unless the first id is 1
+    with pytest.raises(Exception, match="cannot capture before layers"):
+        pcli.launch_command("/m", "stock-aux", layer_ids=[1, 16, 29], num_layers=32, architecture="DeepseekV3ForCausalLM")
     d = pcli.launch_command("/m", "serve-draft", layer_ids=[2, 16, 29], num_layers=32, draft="/d", steps=3, topk=1)
     assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3 "
             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in d

@@ -30,6 +30,7 @@ class CaptureSummary:
     seconds: float
     bytes_written: int
     failures: dict
+    requests: dict | None = None  # a server engine's account of its HTTP requests (engines/http.py)
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, max_batch: int = 256) -> list[list[int]]:
@@ -152,7 +153,12 @@ def run_capture(
         f"{human_bytes(written)}); {failures.format()}; store now holds {len(writer.done)} samples",
         file=sys.stderr,
     )
-    return CaptureSummary(stored, len(samples) - n_todo, failures.total, tokens, dt, written, failures.summary())
+    requests = engine.request_stats()
+    if requests is not None:
+        from eaglenest.engines.http import describe
+
+        print(f"capture: engine requests: {describe(requests)}", file=sys.stderr)
+    return CaptureSummary(stored, len(samples) - n_todo, failures.total, tokens, dt, written, failures.summary(), requests)
 
 
 def _done_ids(out: Path) -> set[str]:

@@ -334,6 +334,10 @@ def run_regenerate(
         + (f"wrote {len(final)} samples to {out}" if final else "nothing written"),
         file=sys.stderr,
     )
+    if (requests := engine.request_stats()) is not None:
+        from eaglenest.engines.http import describe
+
+        print(f"regenerate: engine requests: {describe(requests)}", file=sys.stderr)
     return RegenerateSummary(len(todo) - failures.total, n - len(todo), failures.total, gen_tokens,
                              sum(1 for r in final if r["truncated"]), dt, failures.summary(), meta)
 

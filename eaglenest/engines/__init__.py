@@ -12,14 +12,18 @@ from eaglenest import EaglenestError
 _SKIP = {"base"}
 
 
-def engine_modules() -> dict:
+def engine_modules(errors: dict | None = None) -> dict:
+    """{NAME: module}.  A module that fails to import is left out; its error goes into `errors`
+    (by module name) when given, so that asking for it can say why."""
     mods = {}
     for info in pkgutil.iter_modules(__path__):
         if info.name in _SKIP or info.name.startswith("_"):
             continue
         try:
             mod = importlib.import_module(f"{__name__}.{info.name}")
-        except ImportError:
+        except ImportError as e:
+            if errors is not None:
+                errors[info.name] = f"{type(e).__name__}: {e}"
             continue
         if hasattr(mod, "create") and hasattr(mod, "NAME"):
             mods[mod.NAME] = mod
@@ -27,9 +31,11 @@ def engine_modules() -> dict:
 
 
 def get_engine_module(name: str):
-    mods = engine_modules()
+    errors: dict = {}
+    mods = engine_modules(errors)
     if name not in mods:
-        raise EaglenestError(f"unknown engine '{name}' (available: {', '.join(sorted(mods))})")
+        why = f"; module {name} does not import: {errors[name]}" if name in errors else ""
+        raise EaglenestError(f"unknown engine '{name}' (available: {', '.join(sorted(mods))}){why}")
     return mods[name]
 
 

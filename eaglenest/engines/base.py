@@ -72,6 +72,10 @@ class Engine(ABC):
     def close(self) -> None:
         pass
 
+    def request_stats(self) -> dict | None:
+        """A server engine's account of its HTTP requests (engines/http.py `Client.stats()`); None in-process."""
+        return None
+
     def _server_info(self, final_norm: str, **extra) -> EngineInfo:
         """info() for the server engines, which keep path/hidden_size/num_layers/vocab_size/layer_ids."""
         from eaglenest.models.target import target_fingerprint

@@ -1,8 +1,10 @@
 """The SGLang engine: a client of SGLang's native `POST /generate` (targets SGLang 0.5.23).
 
-SGLang is not started here (it needs CUDA kernels); the engine talks HTTP to running servers given
-with `--sglang-url` (repeatable).  Facts below were read in SGLang 0.5.23's published source (the
-PyPI wheel; see docs/sglang.md for files and functions).
+Servers: `--sglang-url URL` (repeatable) uses running servers, anywhere; `--sglang-serve` starts one
+on this machine's CPU (SGLang's CPU engine on its torch-native path, from `.venv-sglang`, made by
+`scripts/setup_sglang.sh`; see `sglang_launch.py`) on a free 127.0.0.1 port, with eaglenest's capture
+plugin on its path for capture, and stops it at the end (logs kept with `--sglang-log`).  Facts below
+were read in SGLang 0.5.23's published source and checked against a live 0.5.23 server (docs/sglang.md).
 
 Requests (`GenerateReqInput`, sglang/srt/managers/io_struct.py): always the batch form --
 `input_ids` as a list of lists, `rid` and `extra_key` as lists of unique strings (a unique
@@ -15,12 +17,13 @@ the echoed `prompt_token_ids` must equal them (else the sample fails with `token
 
 Capture modes (`--sglang-mode`):
   * `plugin` (default): the server runs eaglenest's capture plugin (`eaglenest sglang-plugin
-    install`), which writes one safetensors file per request and prefill chunk into a staging
-    directory shared with this process (`--sglang-staging`, default /dev/shm/eaglenest).  A capture
-    request generates 1 token (max_new_tokens=1, temperature 0, like SpecForge); the client then
-    collects the rid's files, checks that the chunks cover the prompt from token 0 (a radix-cache
-    hit would start later: `prefix_cached`), that the stored input ids equal the ids sent and the
-    layer ids equal the engine's, loads them (safetensors, never pickle) and deletes them.
+    install`, or on the path of a server eaglenest starts), which writes one safetensors file per
+    request and prefill chunk into a staging directory shared with this process (`--sglang-staging`,
+    default /dev/shm/eaglenest).  A capture request generates 1 token (max_new_tokens=1,
+    temperature 0, like SpecForge); the client then collects the rid's files, checks that the
+    chunks cover the prompt from token 0 (a radix-cache hit would start later: `prefix_cached`),
+    that the stored input ids equal the ids sent and the layer ids equal the engine's, loads them
+    (safetensors, never pickle) and deletes them.
   * `stock`: an unmodified server started with `--enable-return-hidden-states` returns, in
     `meta_info.hidden_states`, the *post-norm final* state only (JSON floats).  It cannot fill the
     three aux states: capture in this mode needs `--sglang-aux-url` servers started with
@@ -29,9 +32,10 @@ Capture modes (`--sglang-mode`):
     [T, 3H] instead; each sample then costs one request to each kind of server.  Without aux
     servers, capture stops with an error saying so.  Generation (regenerate) works in both modes.
 
-Requests are spread round-robin over the URLs, at most `--sglang-concurrency` in flight, batched
-`--sglang-batch` samples per request; timeouts, 5xx and connection errors are retried with
-exponential backoff (a fresh rid per attempt), then the samples fail with the reason.
+Requests go through the shared client (`engines/http.py`): spread round-robin over the URLs, at most
+`--sglang-concurrency` in flight, batched `--sglang-batch` samples per request; timeouts, 5xx and
+connection errors are retried with exponential backoff and jitter (a fresh rid per attempt), then
+the samples fail with the reason.
 """
 
 from __future__ import annotations
@@ -40,18 +44,20 @@ import glob
 import itertools
 import json
 import os
-import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
+from eaglenest.engines.http import Client, RequestFailed, merge_stats
+from eaglenest.engines.server import ServerProcess
 from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "sglang"
@@ -65,6 +71,12 @@ CAPTURE_MAX_NEW_TOKENS = 1  # 0 also prefills on 0.5.23 (Req.is_prefill_only), 1
 REQUEST_FIELDS = ("input_ids", "sampling_params", "rid", "extra_key", "return_hidden_states", "return_prompt_token_ids")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "skip_special_tokens", "sampling_seed")
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-sglang"
+COMPAT_DIR = Path(__file__).resolve().parent / "sglang_compat"  # holds eaglenest's sgl_kernel
+LAUNCHER = "eaglenest.engines.sglang_launch"
+DEFAULT_MAX_TOTAL_TOKENS = 32768  # KV-cache tokens of a started server (SGLang would take ~70% of the RAM)
+
 
 # ----------------------------------------------------------------------------------------- CLI
 
@@ -72,6 +84,9 @@ SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "
 def add_arguments(p) -> None:
     p.add_argument("--sglang-url", action="append", default=None, metavar="URL",
                    help="sglang engine: base URL of a running SGLang server (repeatable; requests are spread over them)")
+    p.add_argument("--sglang-serve", action="store_true",
+                   help="sglang engine: start SGLang's CPU engine (torch-native path, from .venv-sglang) on a free "
+                   "127.0.0.1 port, with the capture plugin on its path, and stop it at the end")
     p.add_argument("--sglang-mode", choices=MODES, default="plugin",
                    help="sglang engine: 'plugin' = the server runs eaglenest's capture plugin (full EAGLE-3 features); "
                    "'stock' = unmodified servers (--enable-return-hidden-states: final state only; capture also needs "
@@ -79,110 +94,151 @@ def add_arguments(p) -> None:
     p.add_argument("--sglang-aux-url", action="append", default=None, metavar="URL",
                    help="sglang engine, stock mode: servers started with --enable-return-aux-hidden-states "
                    "--speculative-algorithm EAGLE3 (they return the aux concat instead of the final state)")
-    p.add_argument("--sglang-staging", default=plugin.DEFAULT_DIR, metavar="DIR",
+    p.add_argument("--sglang-staging", default=None, metavar="DIR",
                    help="sglang engine, plugin mode: the plugin's staging directory (the server's "
-                   "EAGLENEST_SGLANG_CAPTURE_DIR; must be readable from here)")
+                   f"EAGLENEST_SGLANG_CAPTURE_DIR; must be readable from here; default {plugin.DEFAULT_DIR}, or a "
+                   "fresh directory under /dev/shm for --sglang-serve)")
     p.add_argument("--sglang-concurrency", type=int, default=4, metavar="N", help="sglang engine: requests in flight at once")
     p.add_argument("--sglang-batch", type=int, default=8, metavar="N", help="sglang engine: samples per /generate request")
     p.add_argument("--sglang-timeout", type=float, default=600.0, metavar="S", help="sglang engine: seconds per request")
     p.add_argument("--sglang-retries", type=int, default=3, metavar="N",
-                   help="sglang engine: retries (exponential backoff) after a timeout, 5xx or connection error")
+                   help="sglang engine: retries (exponential backoff and jitter) after a timeout, 5xx or connection error")
     p.add_argument("--sglang-dump-timeout", type=float, default=60.0, metavar="S",
                    help="sglang engine, plugin mode: seconds to wait for a request's staging files after its response")
     p.add_argument("--sglang-skip-preflight", action="store_true",
                    help="sglang engine: do not check /server_info (version, prefill CUDA graph, ...) before capturing")
+    p.add_argument("--sglang-python", default=None, metavar="PY",
+                   help="sglang engine, --sglang-serve: python of the SGLang virtualenv (default $EAGLENEST_SGLANG_PYTHON "
+                   "or ./.venv-sglang/bin/python)")
+    p.add_argument("--sglang-startup-timeout", type=float, default=600.0, metavar="S",
+                   help="sglang engine, --sglang-serve: seconds to wait for the server to become healthy")
+    p.add_argument("--sglang-log", default=None, metavar="FILE",
+                   help="sglang engine, --sglang-serve: server log file (default: in a temp dir, removed at the end)")
+    p.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
+                   help="sglang engine, --sglang-serve: extra server argument, e.g. --sglang-arg=--max-total-tokens=65536 "
+                   "(repeatable)")
 
 
 def create(args) -> "SGLangEngine":
     urls = getattr(args, "sglang_url", None) or []
-    if not urls:
-        raise EaglenestError("--engine sglang needs --sglang-url URL (a running SGLang server; see docs/sglang.md)")
+    serve = getattr(args, "sglang_serve", False)
+    if urls and serve:
+        raise EaglenestError("give either --sglang-url (use running servers) or --sglang-serve (start one), not both")
+    if not urls and not serve:
+        raise EaglenestError("--engine sglang needs --sglang-url URL (a running SGLang server; see docs/sglang.md) or "
+                             "--sglang-serve (start SGLang's CPU engine here)")
     return SGLangEngine(
         args.model,
         urls=urls,
         layers=getattr(args, "layers", "auto"),
         mode=getattr(args, "sglang_mode", "plugin"),
         aux_urls=getattr(args, "sglang_aux_url", None) or [],
-        staging=getattr(args, "sglang_staging", plugin.DEFAULT_DIR),
+        staging=getattr(args, "sglang_staging", None),
         concurrency=getattr(args, "sglang_concurrency", 4),
         batch=getattr(args, "sglang_batch", 8),
         timeout=getattr(args, "sglang_timeout", 600.0),
         retries=getattr(args, "sglang_retries", 3),
         dump_timeout=getattr(args, "sglang_dump_timeout", 60.0),
         preflight=not getattr(args, "sglang_skip_preflight", False),
+        serve=serve,
+        dtype=getattr(args, "dtype", "bf16"),
+        python=getattr(args, "sglang_python", None),
+        startup_timeout=getattr(args, "sglang_startup_timeout", 600.0),
+        log_file=getattr(args, "sglang_log", None),
+        extra_server_args=getattr(args, "sglang_arg", None) or [],
     )
 
 
-# --------------------------------------------------------------------------------------- HTTP
+# ------------------------------------------------------------------------------------- server
 
 
-class RequestFailed(Exception):
-    def __init__(self, reason: str, message: str, status: int | None = None):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.status = status
+def find_sglang_python(explicit: str | None = None) -> Path:
+    """The python of the SGLang virtualenv: --sglang-python, $EAGLENEST_SGLANG_PYTHON, or ./.venv-sglang."""
+    p = Path(explicit or os.environ.get("EAGLENEST_SGLANG_PYTHON") or DEFAULT_VENV / "bin" / "python")
+    if not p.exists():
+        raise EaglenestError(f"SGLang python not found at {p}: run `bash scripts/setup_sglang.sh` (creates .venv-sglang) "
+                             "or pass --sglang-python / set EAGLENEST_SGLANG_PYTHON")
+    return p
 
 
-class Client:
-    """httpx over several base URLs (round-robin) with retries: exponential backoff + jitter after
-    a timeout, a 5xx or a connection error.  4xx is final."""
+def cpu_server_pythonpath() -> list[Path]:
+    """What a CPU server started by eaglenest has on its path besides `eaglenest`: the sgl_kernel
+    compatibility module (and, for `sglang-plugin check --cpu`, eaglenest itself)."""
+    return [REPO_ROOT, COMPAT_DIR]
 
-    def __init__(self, urls: list[str], *, timeout: float, retries: int, concurrency: int = 4, backoff: float = 0.5):
-        import httpx
 
-        if not urls:
-            raise EaglenestError("no SGLang URL given")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.retries = max(0, int(retries))
-        self.backoff = backoff
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
-                                 limits=httpx.Limits(max_connections=max(4, 2 * concurrency)))
-        self._rr = itertools.count()
-        self._lock = threading.Lock()
+def server_command(python, model_path, *, port: int, dtype: str = "bf16", mode: str = "generate",
+                   max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS, speculative: dict | None = None,
+                   extra: list[str] | None = None) -> list[str]:
+    """The command line of a CPU server (SGLang 0.5.23 flags, through eaglenest's launcher).
+    mode: "plugin" (capture through the plugin: no radix cache), "stock" (final states as JSON),
+    "generate"; `speculative` = {"draft": DIR, "steps": S, "topk": K, "draft_tokens": D} serves a draft."""
+    cmd = [str(python), "-m", LAUNCHER, "--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--attention-backend", "torch_native",
+           "--dtype", {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype),
+           "--disable-overlap-schedule", "--sleep-on-idle", "--random-seed", "0",
+           "--max-total-tokens", str(max_total_tokens), "--cuda-graph-backend-prefill", "disabled"]
+    if mode == "plugin":
+        cmd += ["--disable-radix-cache"]
+    elif mode == "stock":
+        cmd += ["--enable-return-hidden-states", "--disable-radix-cache"]
+    elif mode != "generate":
+        raise ValueError(mode)
+    if speculative:
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(speculative["draft"]),
+                "--speculative-num-steps", str(speculative["steps"]), "--speculative-eagle-topk", str(speculative["topk"]),
+                "--speculative-num-draft-tokens", str(speculative["draft_tokens"])]
+    return cmd + list(extra or [])
 
-    def close(self) -> None:
-        self.http.close()
 
-    def next_url(self) -> str:
-        with self._lock:
-            return self.urls[next(self._rr) % len(self.urls)]
+def start_server(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0,
+                 capture_dir: Path | None = None, layer_ids: list[int] | None = None) -> ServerProcess:
+    """A started CPU server.  With `capture_dir`, eaglenest's capture plugin is on the server's path
+    (installed into the directory that holds `eaglenest`, where SGLang's `load_plugins()` finds its
+    entry point) and active, writing there."""
+    from eaglenest.engines.sglang_plugin_cli import install_into
 
-    def request(self, method: str, path: str, payload=None, *, url: str | None = None, make_payload=None):
-        """JSON response of the first successful attempt.  `make_payload(attempt)` builds a fresh
-        payload per attempt (new rids), else `payload` is re-sent."""
-        import httpx
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if capture_dir is not None:
+        env[plugin.ENV_DIR] = str(capture_dir)
+        if layer_ids is not None:
+            env[plugin.ENV_LAYERS] = ",".join(map(str, layer_ids))
+    srv = ServerProcess("sglang", cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout,
+                        env=env, pythonpath=[COMPAT_DIR])
+    if capture_dir is not None:
+        install_into(srv.path_dir)
+    return srv.start()
 
-        last = RequestFailed("unknown", "no attempt made")
-        for attempt in range(self.retries + 1):
-            base = url or self.next_url()
-            body = make_payload(attempt) if make_payload is not None else payload
-            try:
-                r = self.http.request(method, base + path, json=body)
-                if r.status_code >= 500:
-                    last = RequestFailed("http_5xx", f"{base}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
-                elif r.status_code >= 400:
-                    text = r.text[:500]
-                    low = text.lower()
-                    reason = "too_long" if ("context length" in low or "too long" in low or "max_model_len" in low
-                                            or "exceeds" in low) else f"http_{r.status_code}"
-                    raise RequestFailed(reason, f"{base}{path}: HTTP {r.status_code}: {text}", r.status_code)
-                else:
-                    try:
-                        return r.json()
-                    except (json.JSONDecodeError, ValueError):
-                        raise RequestFailed("bad_response", f"{base}{path}: response is not JSON: {r.text[:200]}") from None
-            except httpx.TimeoutException as e:
-                last = RequestFailed("timeout", f"{base}{path}: timed out ({type(e).__name__})")
-            except httpx.TransportError as e:
-                last = RequestFailed("connection", f"{base}{path}: {type(e).__name__}: {e}")
-            if attempt < self.retries:
-                time.sleep(min(8.0, self.backoff * 2**attempt) * (0.5 + random.random()))
-        last.message += f" (after {self.retries + 1} attempts)"
-        raise last
 
-    def get_json(self, path: str, url: str) -> dict:
-        return self.request("GET", path, url=url)
+# --------------------------------------------------------------------------- layer-id rules
+
+# `set_eagle3_layers_to_capture(layer_ids)` in SGLang 0.5.23 turns the ids of a draft's
+# `eagle_config.eagle_aux_hidden_state_layer_ids` (or --return-aux-hidden-state-layer-ids) into the
+# layers it captures before (`layers_to_capture`), per model class:
+#   Llama family (models/llama.py), Qwen2, Qwen3, Qwen3-MoE: every id + 1;
+#   DeepseekV2/V3/V3.2 (models/deepseek_v2.py; Kimi-K2 serves as DeepseekV3ForCausalLM):
+#     + 1 only when the first id is 1, else the ids as given.
+# Checked live on SGLang 0.5.23 for Llama and DeepseekV3 (tests/test_sglang_live_deepseek.py).
+_PLUS_ONE = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+
+
+def sglang_capture_layers(architecture: str, ids: list[int]) -> list[int]:
+    """Capture-before ids SGLang 0.5.23 captures for a draft whose eagle_config lists `ids`."""
+    spec = plugin.ARCHITECTURES.get(architecture)
+    if spec is None:
+        raise EaglenestError(f"no SGLang layer rule known for {architecture} (known: {', '.join(sorted(plugin.ARCHITECTURES))})")
+    if spec.name in _PLUS_ONE or (spec.name == "deepseek_v2" and ids and ids[0] == 1):
+        return [k + 1 for k in ids]
+    return list(ids)
+
+
+def sglang_layer_ids_for(architecture: str, capture_before: list[int]) -> list[int] | None:
+    """The eagle_config ids that make SGLang 0.5.23 capture exactly `capture_before`, or None when
+    no ids do (DeepseekV2 family with a first layer of 1)."""
+    for ids in ([k - 1 for k in capture_before], list(capture_before)):
+        if min(ids) >= 0 and sglang_capture_layers(architecture, ids) == list(capture_before):
+            return ids
+    return None
 
 
 # ----------------------------------------------------------------------------------- payloads
@@ -319,33 +375,92 @@ def preflight_problems(info: dict, mode: str) -> tuple[list[str], list[str]]:
 class SGLangEngine(Engine):
     name = NAME
 
-    def __init__(self, model, *, urls, layers="auto", mode="plugin", aux_urls=(), staging=plugin.DEFAULT_DIR,
-                 concurrency=4, batch=8, timeout=600.0, retries=3, dump_timeout=60.0, preflight=True, backoff=0.5):
+    def __init__(self, model, *, urls=(), layers="auto", mode="plugin", aux_urls=(), staging=None, concurrency=4,
+                 batch=8, timeout=600.0, retries=3, dump_timeout=60.0, preflight=True, backoff=0.5, serve=False,
+                 dtype="bf16", python=None, startup_timeout=600.0, log_file=None, extra_server_args=()):
         from eaglenest.models.target import resolve_model_path
 
         if mode not in MODES:
             raise EaglenestError(f"--sglang-mode must be one of {MODES} (got {mode!r})")
+        if serve and mode == "stock":
+            raise EaglenestError("--sglang-serve starts plugin-mode servers; stock mode needs --sglang-url servers "
+                                 "(and --sglang-aux-url for capture)")
+        if not serve and not urls:
+            raise EaglenestError("no SGLang server: give --sglang-url URL or --sglang-serve")
         self.path = resolve_model_path(model)
         cfg = model_config(self.path)
+        self.architecture = (cfg.get("architectures") or ["?"])[0]
         self.num_layers = int(cfg["num_hidden_layers"])
         self.hidden_size = int(cfg["hidden_size"])
         self.vocab_size = int(cfg["vocab_size"])
         self.layer_ids = parse_layer_ids(layers, self.num_layers)
         self.eos_ids = eos_token_ids(self.path)
         self.mode = mode
-        self.staging = Path(staging)
         self.concurrency = max(1, int(concurrency))
         self.batch = max(1, int(batch))
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), backoff
         self.dump_timeout = float(dump_timeout)
         self.preflight = preflight
         self.session = uuid.uuid4().hex[:12]
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        self.client = Client(list(urls), timeout=timeout, retries=retries, concurrency=self.concurrency, backoff=backoff)
-        self.aux_client = (Client(list(aux_urls), timeout=timeout, retries=retries, concurrency=self.concurrency,
-                                  backoff=backoff) if aux_urls else None)
+        self.urls = list(urls)
+        self.serve = bool(serve)
+        self.dtype, self.python_arg = dtype, python
+        self.startup_timeout, self.log_file = float(startup_timeout), log_file
+        self.extra_server_args = list(extra_server_args or [])
+        self._tmp = Path(tempfile.mkdtemp(prefix="eaglenest-sglang-")) if serve else None
+        own_staging = serve and staging is None  # a fresh directory in shared memory, removed at the end
+        self._own_staging = Path(tempfile.mkdtemp(prefix=f"eaglenest-sglang-{self.session}-", dir=_shm())) if own_staging else None
+        self.staging = self._own_staging or Path(staging or plugin.DEFAULT_DIR)
+        self.server: ServerProcess | None = None
+        self.server_mode: str | None = None
+        self._closed_stats: list[dict] = []
+        self.client = self._new_client(self.urls) if self.urls else None
+        self.aux_client = self._new_client(list(aux_urls)) if aux_urls else None
         self._checked = False
         self.server_versions: dict[str, str] = {}
+
+    def _new_client(self, urls: list[str]) -> Client:
+        return Client(urls, timeout=self.timeout, retries=self.retries, concurrency=self.concurrency, backoff=self.backoff)
+
+    # -- servers we start (--sglang-serve)
+    def _ensure(self, mode: str) -> Client:
+        """The client for `mode` ("capture" | "generate"), starting or restarting our server if needed."""
+        if not self.serve:
+            return self.client
+        server_mode = "plugin" if mode == "capture" else "generate"
+        if self.server is not None and self.server_mode == server_mode and self.server.alive():
+            return self.client
+        self._stop_server()
+        python = find_sglang_python(self.python_arg)
+        capture = server_mode == "plugin"
+        self.server = start_server(
+            lambda port: server_command(python, self.path, port=port, dtype=self.dtype, mode=server_mode,
+                                        extra=self.extra_server_args),
+            workdir=self._tmp / server_mode, log_file=self.log_file, startup_timeout=self.startup_timeout,
+            capture_dir=self.staging if capture else None,
+            layer_ids=self.layer_ids if capture and self.layer_ids != plugin.default_layer_ids(self.num_layers) else None)
+        self.server_mode = server_mode
+        self.client = self._new_client([self.server.url])
+        self._checked = False
+        return self.client
+
+    def start(self, mode: str = "capture") -> None:
+        """Start (or check) our server for `mode` now rather than on first use (callers time the work
+        without the start-up); a no-op with --sglang-url."""
+        if mode not in ("capture", "generate"):
+            raise ValueError(mode)
+        self._ensure(mode)
+
+    def _stop_server(self) -> None:
+        if self.server is None:
+            return
+        self._closed_stats.append(self.client.stats())
+        self.client.close()
+        self.client = None
+        self.server.stop()
+        self.server = self.server_mode = None
 
     # -- bookkeeping
     def _rid(self, prefix: str, attempt: int) -> str:
@@ -355,25 +470,27 @@ class SGLangEngine(Engine):
 
     def info(self) -> EngineInfo:
         # SGLang's model forward returns the state after the final norm
-        return self._server_info("post", urls=self.client.urls, mode=self.mode, target_sglang_version=TARGET_SGLANG_VERSION)
+        return self._server_info("post", urls=self.urls or "started", mode=self.mode,
+                                 target_sglang_version=TARGET_SGLANG_VERSION)
+
+    def request_stats(self) -> dict:
+        live = [c.stats() for c in (self.client, self.aux_client) if c is not None]
+        return merge_stats(*self._closed_stats, *live)
 
     def close(self) -> None:
-        self.client.close()
-        if self.aux_client is not None:
-            self.aux_client.close()
+        self._stop_server()
+        for c in (self.client, self.aux_client):
+            if c is not None:
+                c.close()
         if self.mode == "plugin" and self.staging.is_dir():
             # late files of attempts that timed out on our side
             for f in glob.glob(str(self.staging / f"{glob.escape(CAPTURE_RID_PREFIX + self.session)}-*")):
-                try:
-                    os.remove(f)
-                except OSError:
-                    pass
-
-    def _map(self, fn, items: list) -> list:
-        if len(items) <= 1 or self.concurrency == 1:
-            return [fn(x) for x in items]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items))) as ex:
-            return list(ex.map(fn, items))
+                _remove(f)
+        if self._own_staging is not None:
+            shutil.rmtree(self._own_staging, ignore_errors=True)
+        if self._tmp is not None:
+            if self.log_file is None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _chunks(self, items: list) -> list[list]:
         return [items[i:i + self.batch] for i in range(0, len(items), self.batch)]
@@ -383,6 +500,10 @@ class SGLangEngine(Engine):
         if self._checked or not self.preflight:
             self._checked = True
             return
+        if self.mode == "plugin" and self.architecture not in plugin.ARCHITECTURES:
+            raise EaglenestError(
+                f"the capture plugin does not observe {self.architecture} models: it observes the SGLang model classes of "
+                f"{', '.join(sorted(plugin.ARCHITECTURES))} (docs/sglang.md); use --sglang-mode stock or --engine hf/vllm")
         clients = [(self.client, self.mode)] + ([(self.aux_client, "stock")] if self.aux_client else [])
         for client, mode in clients:
             for url in client.urls:
@@ -436,7 +557,7 @@ class SGLangEngine(Engine):
             return generate_payload([r.input_ids for r in reqs], rids, sampling,
                                     extra_keys=list(rids) if extra_key else None, return_hidden_states=hidden)
 
-        resp = client.request("POST", "/generate", make_payload=make)
+        resp = client.request("POST", "/generate", make_payload=make, tag=",".join(r.id for r in reqs))
         return rid_log[-1], response_items(resp, len(reqs))
 
     def _post_isolating(self, client, reqs, prefix, sampling, *, extra_key, hidden):
@@ -464,7 +585,6 @@ class SGLangEngine(Engine):
                 "states EAGLE-3 trains on: use --sglang-mode plugin (eaglenest's capture plugin), or add "
                 "--sglang-aux-url servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
                 "(see docs/sglang.md)")
-        self._check_servers()
         results: list[Captured | Failure | None] = [None] * len(batch)
         todo = []
         for i, r in enumerate(batch):
@@ -474,8 +594,11 @@ class SGLangEngine(Engine):
                 results[i] = Failure(r.id, "token_out_of_vocab", f"token id outside [0, {self.vocab_size})")
             else:
                 todo.append(i)
+        client = self._ensure("capture")
+        self._check_servers()
         fn = self._capture_plugin if self.mode == "plugin" else self._capture_stock
-        for idx, outs in zip(self._chunks(todo), self._map(lambda idx: fn([batch[i] for i in idx]), self._chunks(todo))):
+        chunks = self._chunks(todo)
+        for idx, outs in zip(chunks, client.map(lambda idx: fn([batch[i] for i in idx]), chunks)):
             for i, o in zip(idx, outs):
                 results[i] = o
         return results  # type: ignore[return-value]
@@ -503,10 +626,7 @@ class SGLangEngine(Engine):
 
     def _remove_rid(self, rid: str) -> None:
         for f in glob.glob(str(self.staging / f"{glob.escape(rid)}.*")):
-            try:
-                os.remove(f)
-            except OSError:
-                pass
+            _remove(f)
 
     def _collect(self, rid: str, r: Request) -> Captured | Failure:
         """Wait for the plugin's files of `rid`, check them, assemble [T, 3H] and [T, H]."""
@@ -518,20 +638,22 @@ class SGLangEngine(Engine):
         err = self.staging / plugin.error_name(rid)
         delay = 0.002
         while True:
+            # the plugin writes every file atomically (temp file + rename): what is there is complete,
+            # so a file that does not parse is damaged and fails the sample now
             if err.exists():
                 try:
                     e = json.loads(err.read_text())
-                    return Failure(r.id, str(e.get("reason") or "plugin_error"), f"capture plugin: {e.get('message')}")
-                except (OSError, json.JSONDecodeError):
-                    pass  # being written: look again
+                except (OSError, json.JSONDecodeError) as x:
+                    return Failure(r.id, "bad_staging_file", f"{err}: unreadable plugin error file ({x})")
+                return Failure(r.id, str(e.get("reason") or "plugin_error"), f"capture plugin: {e.get('message')}")
             chunks = []
             for f in glob.glob(str(self.staging / f"{glob.escape(rid)}.*.safetensors")):
                 try:
                     with safe_open(f, framework="pt", device="cpu") as h:
                         meta = h.metadata() or {}
                     chunks.append((int(meta["start"]), int(meta["n_tokens"]), f))
-                except Exception:
-                    continue
+                except Exception as x:  # safetensors raises its own error types for a damaged header
+                    return Failure(r.id, "bad_staging_file", f"{f}: {type(x).__name__}: {x}")
             chunks.sort()
             if chunks and chunks[0][0] > 0:
                 return Failure(r.id, "prefix_cached", f"the first captured chunk starts at token {chunks[0][0]}: the server "
@@ -560,6 +682,8 @@ class SGLangEngine(Engine):
                 return Failure(r.id, "bad_staging_file", f"{f}: {type(e).__name__}: {e}")
             if meta.get("rid") != rid:
                 return Failure(r.id, "bad_staging_file", f"{f} is for rid {meta.get('rid')!r}")
+            if meta.get("tp_rank", "0") != "0":  # only rank 0 may write: another writer is a plugin fault
+                return Failure(r.id, "bad_staging_file", f"{f} was written by TP rank {meta['tp_rank']}")
             lids = json.loads(meta.get("layer_ids", "[]"))
             if lids != list(self.layer_ids):
                 return Failure(r.id, "layer_mismatch", f"the plugin captured layers {lids}, this run wants {self.layer_ids}")
@@ -639,7 +763,23 @@ class SGLangEngine(Engine):
                 results[i] = Failure(r.id, "empty", "no tokens")
             else:
                 todo.append(i)
-        for idx, outs in zip(self._chunks(todo), self._map(lambda idx: run([batch[i] for i in idx]), self._chunks(todo))):
+        client = self._ensure("generate")
+        chunks = self._chunks(todo)
+        for idx, outs in zip(chunks, client.map(lambda idx: run([batch[i] for i in idx]), chunks)):
             for i, o in zip(idx, outs):
                 results[i] = o
         return results
+
+
+def _shm() -> str | None:
+    """/dev/shm where it exists (staging in shared memory), else the system temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass  # the plugin's own clean-up or a late writer got there first
+    except OSError as e:  # left-over staging files fill shared memory: say so
+        print(f"sglang: warning: cannot remove staged file {path}: {e}", file=sys.stderr)

@@ -63,6 +63,7 @@ ENTRY_POINT_NAME = "eaglenest_capture"
 ENV_DIR = "EAGLENEST_SGLANG_CAPTURE_DIR"
 ENV_LAYERS = "EAGLENEST_SGLANG_LAYERS"  # capture-before ids "a,b,c"; default [2, N//2, N-3]
 ENV_RID_PREFIX = "EAGLENEST_SGLANG_RID_PREFIX"
+ENV_CPU_LAUNCHER = "EAGLENEST_SGLANG_CPU_LAUNCHER"  # probe: prepare the process as eaglenest's CPU launcher does
 DEFAULT_DIR = "/dev/shm/eaglenest"
 DEFAULT_RID_PREFIX = "eaglenest-cap-"
 DUMP_FORMAT = "eaglenest-sglang-capture"
@@ -89,8 +90,24 @@ class ModelSpec:
 
 
 LLAMA = ModelSpec("llama", "sglang.srt.models.llama", "LlamaModel", "LlamaDecoderLayer", "capture_output", 3, False)
+QWEN2 = ModelSpec("qwen2", "sglang.srt.models.qwen2", "Qwen2Model", "Qwen2DecoderLayer", "capture_output", 3, False)
+# Qwen3Model subclasses Qwen2Model but has its own forward (its layers take post_residual_addition first)
+QWEN3 = ModelSpec("qwen3", "sglang.srt.models.qwen3", "Qwen3Model", "Qwen3DecoderLayer", "capture_output", 4, False)
+# Qwen3MoeModel inherits Qwen2MoeModel.forward, which hands its layers the collector
+# `captured_last_layer_outputs=` (and under two-batch overlap runs every layer in model_forward_stages)
+QWEN3_MOE = ModelSpec("qwen3_moe", "sglang.srt.models.qwen3_moe", "Qwen3MoeModel", "Qwen3MoeDecoderLayer",
+                      "captured_last_layer_outputs", 3, True)
 DEEPSEEK_V2 = ModelSpec("deepseek_v2", "sglang.srt.models.deepseek_v2", "DeepseekV2Model", "DeepseekV2DecoderLayer",
                         "captured_last_layer_outputs", 7, True)
+
+# HF `architectures` SGLang 0.5.23 serves with those model classes (each file's EntryClass; the Llama
+# subclasses and MistralForCausalLM build a LlamaModel)
+ARCHITECTURES = {
+    "LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA, "Phi3ForCausalLM": LLAMA, "InternLM3ForCausalLM": LLAMA,
+    "IQuestCoderForCausalLM": LLAMA,
+    "Qwen2ForCausalLM": QWEN2, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3_MOE,
+    "DeepseekV2ForCausalLM": DEEPSEEK_V2, "DeepseekV3ForCausalLM": DEEPSEEK_V2, "DeepseekV32ForCausalLM": DEEPSEEK_V2,
+}
 
 
 _ACCEPTS: dict = {}
@@ -108,7 +125,7 @@ def accepts_kwarg(fn, name: str) -> bool:
         except (TypeError, ValueError):
             _ACCEPTS[key] = False
     return _ACCEPTS[key]
-SPECS = (LLAMA, DEEPSEEK_V2)
+SPECS = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V2)
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -132,7 +149,10 @@ def observable_layers(spec: ModelSpec, model, forward_batch) -> set[int]:
     n = model.config.num_hidden_layers
     start = int(getattr(model, "start_layer", 0) or 0)
     end = int(getattr(model, "end_layer", n) or n)
-    if spec.name == DEEPSEEK_V2.name and bool(getattr(forward_batch, "can_run_tbo", False)):
+    tbo = bool(getattr(forward_batch, "can_run_tbo", False))
+    if tbo and spec.name == QWEN3_MOE.name:  # Qwen2MoeModel.forward: every layer in model_forward_stages
+        return set()
+    if tbo and spec.name == DEEPSEEK_V2.name:
         k = int(getattr(model, "first_k_dense_replace", getattr(model.config, "first_k_dense_replace", 0)))
         if start < k < end:
             end = k
@@ -220,30 +240,41 @@ class DumpWriter:
 
     def _loop(self) -> None:
         while True:
-            job = self._q.get()
+            rid, job = self._q.get()
             try:
-                job()
-            except Exception:  # a write error must not kill the writer
-                log.exception("eaglenest capture: writing a dump failed")
+                self._run(rid, job)
             finally:
                 self._q.task_done()
 
-    def _submit(self, job) -> None:
-        if self.threaded:
-            self._q.put(job)  # blocks when max_pending jobs wait: back-pressure on the forward
-        else:
+    def _run(self, rid: str | None, job) -> None:
+        try:
             job()
+        except Exception as e:  # a write error must not kill the writer; the client must learn why
+            log.exception("eaglenest capture: writing a file for %s failed", rid)
+            if rid is not None:
+                try:
+                    self._write_error(rid, "write_failed", f"the plugin could not write the capture: {type(e).__name__}: {e}")
+                except OSError:
+                    log.exception("eaglenest capture: cannot write the error file for %s either", rid)
+
+    def _submit(self, rid: str | None, job) -> None:
+        if self.threaded:
+            self._q.put((rid, job))  # blocks when max_pending jobs wait: back-pressure on the forward
+        else:
+            self._run(rid, job)
 
     def dump(self, rid: str, start: int, input_ids, aux, last, layer_ids, extra=None) -> None:
         path = os.path.join(self.dir, dump_name(rid, start))
-        self._submit(lambda: write_atomic(path, encode_dump(rid, start, input_ids, aux, last, layer_ids, extra)))
+        self._submit(rid, lambda: write_atomic(path, encode_dump(rid, start, input_ids, aux, last, layer_ids, extra)))
 
     def error(self, rids, reason: str, message: str) -> None:
         for rid in rids:
-            body = json.dumps({"rid": rid, "reason": reason, "message": message, "time": time.time(),
-                               "pid": os.getpid(), "plugin_version": PLUGIN_VERSION}).encode()
-            path = os.path.join(self.dir, error_name(rid))
-            self._submit(functools.partial(write_atomic, path, body))
+            self._submit(None, functools.partial(self._write_error, rid, reason, message))
+
+    def _write_error(self, rid: str, reason: str, message: str) -> None:
+        body = json.dumps({"rid": rid, "reason": reason, "message": message, "time": time.time(),
+                           "pid": os.getpid(), "plugin_version": PLUGIN_VERSION}).encode()
+        write_atomic(os.path.join(self.dir, error_name(rid)), body)
 
     def flush(self) -> None:
         if self.threaded:
@@ -261,6 +292,7 @@ class _Plan:
     ranges: list[tuple[int, int]]  # rows of each request in the packed batch
     total_rows: int  # rows the whole batch occupies (all requests)
     error: tuple[str, str] | None = None
+    tp_rank: int | None = None
     captured: dict = field(default_factory=dict)
 
 
@@ -284,12 +316,13 @@ def _lens(forward_batch, name: str):
 
 
 def _tp_rank() -> int:
-    try:
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
+    """This process's tensor-parallel rank, as SGLang 0.5.23 publishes it
+    (`sglang/srt/runtime_context.py`: `get_parallel().tp_rank`; `sglang.srt.distributed` no longer
+    exports `get_tensor_model_parallel_rank`).  Raises if it cannot be read: a rank that cannot be
+    told apart from rank 0 must not write (every rank would write the same files)."""
+    from sglang.srt.runtime_context import get_parallel
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
+    return int(get_parallel().tp_rank)
 
 
 def _sglang_version() -> str:
@@ -343,16 +376,21 @@ class Observer:
         if fb is None or _mode_name(fb) not in ("EXTEND", "MIXED"):
             return None
         rids = list(getattr(fb, "rids", None) or [])
-        ours = [j for j, r in enumerate(rids) if isinstance(r, str) and r.startswith(self.rid_prefix)]
-        if not ours or self.rank_fn() != 0:
-            return None
-        ours = [j for j in ours if _RID_OK.match(rids[j])]
+        ours = [j for j, r in enumerate(rids) if isinstance(r, str) and r.startswith(self.rid_prefix)
+                and _RID_OK.match(r)]
         if not ours:
             return None
+        try:
+            rank = self.rank_fn()
+        except Exception as e:  # no rank, no writing: an error file says why (same content from every rank)
+            return _Plan([], [rids[j] for j in ours], [], [], 0,
+                         error=("tp_rank_unknown", f"cannot read the tensor-parallel rank ({type(e).__name__}: {e})"))
+        if rank != 0:
+            return None  # only TP rank 0 copies to the host and writes (every rank holds the same rows)
         n_layers = int(model.config.num_hidden_layers)
         layer_ids = list(self.layer_ids or default_layer_ids(n_layers))
         seq, pre = _lens(fb, "extend_seq_lens"), _lens(fb, "extend_prefix_lens")
-        p = _Plan(layer_ids, [rids[j] for j in ours], [], [], 0)
+        p = _Plan(layer_ids, [rids[j] for j in ours], [], [], 0, tp_rank=rank)
         if seq is None or pre is None or len(seq) != len(rids) or len(pre) != len(rids):
             p.error = ("bad_layout", f"extend_seq_lens/extend_prefix_lens do not match the batch's {len(rids)} rids")
             return p
@@ -476,7 +514,8 @@ class Observer:
         ids = torch.cat([i for _, i in parts], 0)
         aux = torch.cat([p.captured[k] for k in p.layer_ids], dim=-1)
         aux, last, ids = aux.to("cpu"), last.to("cpu"), ids.to("cpu")  # one synchronizing copy per forward
-        extra = {"sglang_version": self.sglang_version, "model_class": type(model).__name__}
+        extra = {"sglang_version": self.sglang_version, "model_class": type(model).__name__, "tp_rank": p.tp_rank,
+                 "pid": os.getpid()}
         row = 0
         for rid, start, (a, b) in zip(p.rids, p.starts, p.ranges):
             n = b - a
@@ -517,10 +556,11 @@ class _Chained:
 
 
 def patch_class(cls, spec: ModelSpec, observer: Observer) -> bool:
-    """Wrap `cls.forward` (class attribute) with the observer; idempotent."""
-    orig = cls.__dict__.get("forward")
+    """Wrap `cls.forward` with the observer, on `cls` itself (an inherited forward is wrapped for
+    this class only, e.g. Qwen3MoeModel's Qwen2MoeModel.forward); idempotent."""
+    orig = cls.__dict__.get("forward") or getattr(cls, "forward", None)
     if orig is None:
-        raise AttributeError(f"{cls.__qualname__} defines no forward")
+        raise AttributeError(f"{cls.__qualname__} has no forward")
     if getattr(orig, "__eaglenest_capture__", False):
         return False
 
@@ -641,6 +681,18 @@ HOOK_POINTS = [
     ("sglang/srt/model_executor/forward_batch_info.py", "ForwardMode", None, ["EXTEND", "MIXED"]),
     ("sglang/srt/plugins/__init__.py", None, None, ['GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"', "def load_plugins"]),
     ("sglang/srt/managers/scheduler.py", None, "run_scheduler_process", ["load_plugins()"]),
+    ("sglang/srt/models/qwen2.py", "Qwen2Model", "forward",
+     ["param:input_ids", "param:positions", "param:forward_batch", "capture_output=", "self.layers"]),
+    ("sglang/srt/models/qwen2.py", "Qwen2DecoderLayer", "forward", ["param:capture_output", "capture=capture_output"]),
+    ("sglang/srt/models/qwen3.py", "Qwen3Model", "forward",
+     ["param:input_ids", "param:positions", "param:forward_batch", "capture_output=", "self.layers"]),
+    ("sglang/srt/models/qwen3.py", "Qwen3DecoderLayer", "forward", ["param:capture_output", "capture=capture_output"]),
+    ("sglang/srt/models/qwen2_moe.py", "Qwen2MoeModel", "forward",
+     ["param:forward_batch", "captured_last_layer_outputs=", "can_run_tbo", "model_forward_stages"]),
+    ("sglang/srt/models/qwen3_moe.py", "Qwen3MoeDecoderLayer", "forward",
+     ["param:captured_last_layer_outputs", "capture_gathered=captured_last_layer_outputs"]),
+    ("sglang/srt/runtime_context.py", None, "get_parallel", ["return _PARALLEL"]),
+    ("sglang/srt/runtime_context.py", "ParallelContext", None, ["def _read", "config._fields"]),
     ("sglang/srt/managers/io_struct.py", "GenerateReqInput", None,
      ["input_ids", "sampling_params", "rid", "extra_key", "return_hidden_states", "return_prompt_token_ids"]),
 ]
@@ -705,12 +757,19 @@ def probe() -> dict:
     spec = importlib.util.find_spec("sglang")  # does not execute sglang/__init__.py
     out["package_root"] = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else None
     try:
+        if os.environ.get(ENV_CPU_LAUNCHER) == "1":  # eaglenest's CPU environment: prepared as the launcher does
+            from eaglenest.engines.sglang_launch import prepare_process
+
+            prepare_process()
         import sglang  # noqa: F401
 
         out["importable"] = True
         out["imported_version"] = getattr(sglang, "__version__", None)
+        from sglang.srt.runtime_context import get_parallel  # noqa: F401  (what _tp_rank reads)
+
+        out["tp_rank_source"] = "sglang.srt.runtime_context.get_parallel().tp_rank"
     except Exception as e:
-        out["importable"] = False
+        out.setdefault("importable", False)
         out["import_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if out["package_root"]:
         out["hook_points"] = check_source_tree(out["package_root"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -48,6 +49,9 @@ def register(sub) -> None:
     g.add_argument("--python", help="python executable of the SGLang environment (default: this python)")
     g.add_argument("--source", help="a directory containing the `sglang` package source (e.g. an unpacked wheel)")
     c.add_argument("--allow-version-mismatch", action="store_true", help="exit 0 on another SGLang version if the hook points exist")
+    c.add_argument("--cpu", action="store_true",
+                   help="the environment is eaglenest's SGLang CPU environment (scripts/setup_sglang.sh): import SGLang "
+                   "the way eaglenest starts it there (its launcher and sgl_kernel compatibility module on the path)")
     c.set_defaults(func=_check)
     m = s.add_parser("command", help="print the SGLang launch command for a mode")
     m.add_argument("--model", required=True, help="target checkpoint directory (as the server sees it)")
@@ -155,10 +159,18 @@ def _uninstall(args) -> int:
 # ------------------------------------------------------------------------------------- check
 
 
-def probe(python: str) -> dict:
-    """Run the plugin file's `probe` inside another interpreter (it imports no eaglenest)."""
+def probe(python: str, cpu: bool = False) -> dict:
+    """Run the plugin file's `probe` inside another interpreter (it imports no eaglenest, unless
+    `cpu`: then eaglenest's launcher prepares the process first, as for the servers eaglenest starts)."""
+    env = None
+    if cpu:
+        from eaglenest.engines.sglang import cpu_server_pythonpath
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, cpu_server_pythonpath())),
+                   **{plugin.ENV_CPU_LAUNCHER: "1"})
     try:
-        out = subprocess.run([python, str(Path(plugin.__file__)), "probe"], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([python, str(Path(plugin.__file__)), "probe"], capture_output=True, text=True, timeout=300,
+                             env=env)
     except (OSError, subprocess.SubprocessError) as e:
         raise EaglenestError(f"cannot run {python}: {e}") from None
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
@@ -185,24 +197,27 @@ def source_version(root: Path) -> str | None:
     return None
 
 
-def check_report(source: str | None = None, python: str | None = None) -> dict:
+def check_report(source: str | None = None, python: str | None = None, cpu: bool = False) -> dict:
     if source:
         root = Path(source)
         if not (root / "sglang").is_dir():
             raise EaglenestError(f"{root} has no sglang/ package directory")
         return {"package_root": str(root), "sglang_version": source_version(root), "importable": None,
                 "hook_points": plugin.check_source_tree(str(root)), "plugin_installed": None}
-    return probe(python or sys.executable)
+    return probe(python or sys.executable, cpu=cpu)
 
 
 def _check(args) -> int:
-    r = check_report(args.source, args.python)
+    r = check_report(args.source, args.python, cpu=getattr(args, "cpu", False))
     version = r.get("sglang_version")
     if not r.get("package_root"):
         raise EaglenestError(f"no sglang package found by {args.python or sys.executable}")
     print(f"SGLang {version or '(version unknown)'} at {r['package_root']} (eaglenest targets {plugin.TARGET_SGLANG_VERSION})")
     if r.get("importable") is not None:
         print(f"import sglang: {'ok' if r['importable'] else 'fails (' + str(r.get('import_error')) + '); checked the source files'}")
+    if r.get("importable"):
+        src = r.get("tp_rank_source")
+        print(f"tensor-parallel rank: {'read from ' + src if src else 'NOT readable (' + str(r.get('import_error')) + ')'}")
     bad = 0
     for what, ok, detail in r.get("hook_points") or []:
         print(f"  {'ok  ' if ok else 'FAIL'} {what}{'' if ok else ': ' + detail}")
@@ -213,6 +228,8 @@ def _check(args) -> int:
     mismatch = version != plugin.TARGET_SGLANG_VERSION
     if mismatch:
         print(f"version: SGLang {version} is not the targeted {plugin.TARGET_SGLANG_VERSION}")
+    if r.get("importable") and not r.get("tp_rank_source"):
+        bad += 1
     if bad:
         print(f"{bad} hook point(s) missing: the plugin cannot work with this SGLang")
         return 1
@@ -224,7 +241,7 @@ def _check(args) -> int:
 
 def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: int, staging: str = plugin.DEFAULT_DIR,
                    port: int = 30000, draft: str | None = None, steps: int = 3, topk: int = 1,
-                   num_draft_tokens: int | None = None) -> str:
+                   num_draft_tokens: int | None = None, architecture: str = "LlamaForCausalLM") -> str:
     """The SGLang 0.5.23 server command for one of eaglenest's modes (flags: docs/sglang.md)."""
     base = f"python -m sglang.launch_server --model-path {model} --host 127.0.0.1 --port {port}"
     if mode == "plugin":
@@ -235,9 +252,15 @@ def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: i
     if mode == "stock-final":
         return f"{base} --enable-return-hidden-states --disable-radix-cache"
     if mode == "stock-aux":
-        # --return-aux-hidden-state-layer-ids goes to set_eagle3_layers_to_capture, which adds 1 (Llama):
-        # output-of ids, i.e. capture-before ids minus one
-        out_of = " ".join(str(k - 1) for k in layer_ids)
+        # --return-aux-hidden-state-layer-ids goes through set_eagle3_layers_to_capture: the model
+        # family's rule decides which ids make SGLang capture these layers
+        from eaglenest.engines.sglang import sglang_layer_ids_for
+
+        ids = sglang_layer_ids_for(architecture, layer_ids)
+        if ids is None:
+            raise EaglenestError(f"SGLang 0.5.23 cannot capture before layers {layer_ids} of a {architecture} model "
+                                 "(its rule adds 1 only when the first id is 1)")
+        out_of = " ".join(map(str, ids))
         return (f"{base} --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
                 f"--return-aux-hidden-state-layer-ids {out_of} --disable-radix-cache")
     if mode == "serve-draft":
@@ -252,14 +275,17 @@ def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: i
 def _command(args) -> int:
     from eaglenest.capture.layers import parse_layer_ids
 
-    n = args.num_layers
-    if n is None:
-        try:
-            cfg = json.loads((Path(args.model) / "config.json").read_text())
-            n = int(cfg.get("text_config", cfg)["num_hidden_layers"])
-        except (OSError, ValueError, KeyError) as e:
+    n, arch = args.num_layers, "LlamaForCausalLM"
+    try:
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        arch = (cfg.get("architectures") or [arch])[0]
+        n = n or int(cfg.get("text_config", cfg)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        if n is None:
             raise EaglenestError(f"cannot read {args.model}/config.json ({e}): pass --num-layers") from None
+        print(f"note: {args.model}/config.json unreadable ({e}): assuming a Llama-family model", file=sys.stderr)
     ids = parse_layer_ids(args.layers, n)
     print(launch_command(args.model, args.mode, layer_ids=ids, num_layers=n, staging=args.staging, port=args.port,
-                         draft=args.draft, steps=args.steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens))
+                         draft=args.draft, steps=args.steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                         architecture=arch))
     return 0

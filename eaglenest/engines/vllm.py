@@ -30,26 +30,21 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
+from eaglenest.engines.http import Client, RequestFailed, merge_stats
+from eaglenest.engines.server import ServerProcess
 from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "vllm"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../eaglenest
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 CONNECTOR = "CPUHiddenStatesConnector"
 CONNECTOR_MODULE = "eaglenest.engines.vllm_connector"
@@ -118,12 +113,6 @@ def find_vllm_python(explicit: str | None = None) -> Path:
     return p
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def extract_spec_config(layer_ids: list[int], num_layers: int) -> dict:
     """`--speculative-config` that makes vLLM dump the aux states plus the pre-norm final state."""
     return {
@@ -180,208 +169,27 @@ def server_command(
     return cmd
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM it when the process that started it dies, so a
-    killed eaglenest never leaves a server behind (vLLM's API server then stops its engine)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-class VLLMServer:
-    """One `python -m vllm.entrypoints.openai.api_server` subprocess on 127.0.0.1 (own process group)."""
-
-    def __init__(self, cmd_factory, *, workdir: Path, log_file: str | Path | None = None,
-                 startup_timeout: float = 600.0, env: dict | None = None):
-        self.cmd_factory = cmd_factory  # port -> argv
-        self.port = free_port()
-        self.cmd = cmd_factory(self.port)
-        self.workdir = Path(workdir)
-        self.log_path = Path(log_file) if log_file else self.workdir / "server.log"
-        self.startup_timeout = startup_timeout
-        self.extra_env = env or {}
-        self.proc: subprocess.Popen | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start_seconds: float | None = None
-
-    def _env(self) -> dict:
-        # only eaglenest goes on the server's path (a symlink farm): never the main venv's site-packages
-        pkgs = self.workdir / "pythonpath"
-        pkgs.mkdir(parents=True, exist_ok=True)
-        link = pkgs / "eaglenest"
-        if not link.exists():
-            link.symlink_to(PACKAGE_DIR, target_is_directory=True)
-        env = dict(os.environ)
-        for k in ("PYTHONHOME", "VIRTUAL_ENV"):
-            env.pop(k, None)
-        env["PYTHONPATH"] = str(pkgs)  # not inherited: it could point into the main venv
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB)
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.update(self.extra_env)
-        return env
-
-    def start(self) -> "VLLMServer":
-        try:
-            for attempt in range(2):
-                if self._start_once():
-                    return self
-                # the free port was taken between our probe and the server's bind: once more
-                self.port = free_port()
-                self.cmd = self.cmd_factory(self.port)
-                self.url = f"http://127.0.0.1:{self.port}"
-            raise EaglenestError(f"vLLM server could not bind a port; last lines of {self.log_path}:\n{self.log_tail()}")
-        except BaseException:
-            self.stop()  # also on Ctrl-C while waiting: never leave a server behind
-            raise
-
-    def _start_once(self) -> bool:
-        import httpx
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        print(f"vllm: starting server on {self.url} (log: {self.log_path})", file=sys.stderr)
-        t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self._env(), start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
-        deadline = t0 + self.startup_timeout
-        with httpx.Client(timeout=5.0) as c:
-            while True:
-                rc = self.proc.poll()
-                if rc is not None:
-                    self.stop()
-                    tail = self.log_tail()
-                    if "address already in use" in tail.lower():
-                        return False
-                    raise EaglenestError(f"vLLM server exited with code {rc} while starting; last lines of {self.log_path}:\n{tail}")
-                try:
-                    if c.get(self.url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    tail = self.log_tail()
-                    self.stop()
-                    raise EaglenestError(f"vLLM server not healthy after {self.startup_timeout:.0f}s; last lines of {self.log_path}:\n{tail}")
-                time.sleep(0.5)
-        self.start_seconds = time.time() - t0
-        print(f"vllm: server ready in {self.start_seconds:.1f}s", file=sys.stderr)
-        return True
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        # the engine-config line is one huge line: shorten long lines
-        return "\n".join(ln if len(ln) < 600 else ln[:600] + " ..." for ln in lines[-n:])
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, grace: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # our own process group (start_new_session)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
-        # API server gone: make sure no engine-core child of our group outlives it
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+def start_server(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0) -> ServerProcess:
+    """A started vLLM server (vLLM-specific environment; the process handling is shared)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB),
+           "VLLM_NO_USAGE_STATS": os.environ.get("VLLM_NO_USAGE_STATS", "1")}
+    return ServerProcess("vllm", cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout,
+                         env=env).start()
 
 
 # --------------------------------------------------------------------------------------- HTTP
 
 
-class RequestFailed(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+def model_card(client: Client, url: str) -> dict:
+    """The first model a server lists (`/v1/models`)."""
+    data = client.get_json("/v1/models", url).get("data") or []
+    if not data:
+        raise RequestFailed("bad_response", f"{url}/v1/models lists no model")
+    return data[0]
 
 
-class Client:
-    """httpx with retries (exponential backoff + jitter) on timeouts, 5xx and connection errors."""
-
-    def __init__(self, urls: list[str], *, timeout: float, retries: int, concurrency: int):
-        import httpx
-
-        self.urls = [u.rstrip("/") for u in urls]
-        self.retries = max(0, retries)
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
-                                 limits=httpx.Limits(max_connections=max(4, concurrency * 2)))
-        self._rr = 0
-        self._lock = threading.Lock()
-        self._models: dict[str, dict] = {}
-
-    def close(self) -> None:
-        self.http.close()
-
-    def _next_url(self) -> str:
-        with self._lock:
-            u = self.urls[self._rr % len(self.urls)]
-            self._rr += 1
-            return u
-
-    def model_card(self, url: str) -> dict:
-        if url not in self._models:
-            r = self.request("GET", "/v1/models", url=url)
-            data = r.get("data") or []
-            if not data:
-                raise RequestFailed("bad_response", f"{url}/v1/models lists no model")
-            self._models[url] = data[0]
-        return self._models[url]
-
-    def request(self, method: str, path: str, payload: dict | None = None, url: str | None = None) -> dict:
-        import httpx
-
-        last = RequestFailed("unknown", "no attempt made")
-        for attempt in range(self.retries + 1):
-            base = url or self._next_url()
-            try:
-                r = self.http.request(method, base + path, json=payload)
-                if r.status_code >= 500:
-                    last = RequestFailed("http_5xx", f"{base}{path}: HTTP {r.status_code}: {r.text[:300]}")
-                elif r.status_code >= 400:
-                    text = r.text[:500]
-                    reason = "too_long" if "context length" in text or "max_model_len" in text or "maximum" in text.lower() else f"http_{r.status_code}"
-                    raise RequestFailed(reason, f"{base}{path}: HTTP {r.status_code}: {text}")
-                else:
-                    try:
-                        return r.json()
-                    except json.JSONDecodeError:
-                        raise RequestFailed("bad_response", f"{base}{path}: response is not JSON: {r.text[:200]}") from None
-            except httpx.TimeoutException as e:
-                last = RequestFailed("timeout", f"{base}{path}: timed out ({type(e).__name__})")
-            except (httpx.TransportError,) as e:
-                last = RequestFailed("connection", f"{base}{path}: {type(e).__name__}: {e}")
-            if attempt < self.retries:
-                time.sleep(min(8.0, 0.5 * 2**attempt) * (0.5 + random.random()))
-        last.message += f" (after {self.retries + 1} attempts)"
-        raise last
-
-    def metrics(self, url: str | None = None) -> dict[str, float]:
-        r = self.http.get((url or self.urls[0]) + "/metrics")
-        r.raise_for_status()
-        return parse_prometheus(r.text)
+def metrics(client: Client, url: str | None = None) -> dict[str, float]:
+    return parse_prometheus(client.http.get((url or client.urls[0]) + "/metrics").raise_for_status().text)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -408,10 +216,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
 # ------------------------------------------------------------------------------- hidden states
 
 
-def read_hidden_states(path: str, timeout: float = 120.0) -> dict:
-    """Wait for the connector's writer (shared flock on `<path>.lock`), then load `path` (safetensors)."""
-    from safetensors.torch import load_file
-
+def read_hidden_states(path: str, timeout: float = 120.0, settle: float = 1.0) -> dict:
+    """Wait for the connector's writer (shared flock on `<path>.lock`), then load `path` (safetensors).
+    A file that cannot be loaded once its writer is done fails at once (`bad_staging_file`)."""
     lock = path + ".lock"
     deadline = time.time() + timeout
     if os.path.exists(lock):
@@ -425,21 +232,37 @@ def read_hidden_states(path: str, timeout: float = 120.0) -> dict:
                         raise RequestFailed("timeout", f"{path}: writer still holds {lock} after {timeout:.0f}s")
                     time.sleep(0.005)
             try:
-                return load_file(path, device="cpu")
+                return _load_staged(path)
             finally:
                 fcntl.flock(lf, fcntl.LOCK_UN)
-    # no lock file (server started with use_synchronization_lock=false): wait for a loadable file
+    # no lock file (server started with use_synchronization_lock=false): the writer is done once the
+    # file loads, or once its size has not changed for `settle` seconds
+    last_size, since = -1, time.time()
     while True:
         if os.path.exists(path):
+            size = os.path.getsize(path)
+            if size != last_size:
+                last_size, since = size, time.time()
             try:
-                return load_file(path, device="cpu")
-            except Exception:
-                pass
+                return _load_staged(path)
+            except RequestFailed:
+                if time.time() - since >= settle:
+                    raise
+        elif time.time() > deadline:
+            raise RequestFailed("staging_missing", f"{path} not found: is the server's shared_storage_path readable from here?")
         if time.time() > deadline:
-            if not os.path.exists(path):
-                raise RequestFailed("staging_missing", f"{path} not found: is the server's shared_storage_path readable from here?")
-            raise RequestFailed("bad_staging_file", f"{path}: not a readable safetensors file")
+            raise RequestFailed("bad_staging_file", f"{path}: still not a loadable safetensors file after {timeout:.0f}s")
         time.sleep(0.01)
+
+
+def _load_staged(path: str) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise RequestFailed("bad_staging_file", f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def remove_staging(path: str) -> None:
@@ -447,9 +270,9 @@ def remove_staging(path: str) -> None:
         try:
             os.remove(p)
         except FileNotFoundError:
-            pass
-        except OSError:
-            pass
+            pass  # already gone (e.g. the connector wrote no lock file)
+        except OSError as e:  # a staging file left behind fills the staging directory: say so
+            print(f"vllm: warning: cannot remove staged file {p}: {e}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -483,12 +306,17 @@ class VLLMEngine(Engine):
         self._tmp = Path(tempfile.mkdtemp(prefix="eaglenest-vllm-"))
         self.staging_dir = Path(staging_dir) if staging_dir else self._tmp / "hidden_states"
         self.staging_dir.mkdir(parents=True, exist_ok=True)
-        self.server: VLLMServer | None = None
+        self.server: ServerProcess | None = None
         self.server_mode: str | None = None  # "capture" | "generate" for a server we started
         self.client: Client | None = None
+        self._closed_stats: list[dict] = []  # request accounts of clients already closed
+        self._models: dict[str, dict] = {}
         self.server_version: str | None = None
         if self.urls:
-            self.client = Client(self.urls, timeout=self.timeout, retries=self.retries, concurrency=self.concurrency)
+            self.client = self._new_client(self.urls)
+
+    def _new_client(self, urls: list[str]) -> Client:
+        return Client(urls, timeout=self.timeout, retries=self.retries, concurrency=self.concurrency)
 
     # -- servers
     def _ensure(self, mode: str) -> Client:
@@ -501,13 +329,13 @@ class VLLMEngine(Engine):
         self._stop_server()
         python = find_vllm_python(self.python_arg)
         capture = (self.layer_ids, self.num_layers, self.staging_dir) if mode == "capture" else None
-        self.server = VLLMServer(
+        self.server = start_server(
             lambda port: server_command(python, self.path, port=port, dtype=self.dtype, max_model_len=self.max_model_len,
                                         capture=capture, extra=self.extra_server_args),
             workdir=self._tmp, log_file=self.log_file, startup_timeout=self.startup_timeout,
-        ).start()
+        )
         self.server_mode = mode
-        self.client = Client([self.server.url], timeout=self.timeout, retries=self.retries, concurrency=self.concurrency)
+        self.client = self._new_client([self.server.url])
         return self.client
 
     def start(self, mode: str = "capture") -> None:
@@ -519,41 +347,44 @@ class VLLMEngine(Engine):
 
     def _stop_server(self) -> None:
         if self.client is not None and not self.urls:
-            self.client.close()
-            self.client = None
+            self._close_client()
         if self.server is not None:
             self.server.stop()
             self.server = None
             self.server_mode = None
 
+    def _close_client(self) -> None:
+        self._closed_stats.append(self.client.stats())
+        self.client.close()
+        self.client = None
+
     def close(self) -> None:
         self._stop_server()
         if self.client is not None:
-            self.client.close()
-            self.client = None
+            self._close_client()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def request_stats(self) -> dict:
+        return merge_stats(*self._closed_stats, *([self.client.stats()] if self.client is not None else []))
 
     def info(self) -> EngineInfo:
         # vLLM's id N is the last layer's output before the final norm
         return self._server_info("pre", urls=self.urls or "started", extract_layer_ids=[*self.layer_ids, self.num_layers])
 
-    def _map(self, fn, batch: list[Request]) -> list:
-        if len(batch) == 1 or self.concurrency == 1:
-            return [fn(r) for r in batch]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(batch))) as ex:
-            return list(ex.map(fn, batch))
-
-    def _model_name(self, client: Client) -> str:
-        return client.model_card(client.urls[0])["id"]
+    def _model(self, client: Client) -> dict:
+        url = client.urls[0]
+        if url not in self._models:
+            self._models[url] = model_card(client, url)
+        return self._models[url]
 
     # -- capture
     def capture(self, batch: list[Request]) -> list[Captured | Failure]:
         client = self._ensure("capture")
         try:
-            model = self._model_name(client)
+            model = self._model(client)["id"]
         except RequestFailed as e:
             return [Failure(r.id, e.reason, e.message) for r in batch]
-        return self._map(lambda r: self._capture_one(client, model, r), batch)
+        return client.map(lambda r: self._capture_one(client, model, r), batch)
 
     def _capture_one(self, client: Client, model: str, r: Request) -> Captured | Failure:
         import torch
@@ -566,7 +397,7 @@ class VLLMEngine(Engine):
                    "return_token_ids": True}
         path = None
         try:
-            resp = client.request("POST", "/v1/completions", payload)
+            resp = client.request("POST", "/v1/completions", payload, tag=r.id)
             self.server_version = self.server_version or resp.get("system_fingerprint")
             path = (resp.get("kv_transfer_params") or {}).get("hidden_states_path")
             choice = (resp.get("choices") or [{}])[0]
@@ -603,11 +434,11 @@ class VLLMEngine(Engine):
     def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
         client = self._ensure("generate")
         try:
-            model = client.model_card(client.urls[0])
+            model = self._model(client)
         except RequestFailed as e:
             return [Failure(r.id, e.reason, e.message) for r in batch]
         max_len = int(model.get("max_model_len") or self.max_model_len)
-        return self._map(lambda r: self._generate_one(client, model["id"], max_len, r, max_new_tokens, temperature, seed), batch)
+        return client.map(lambda r: self._generate_one(client, model["id"], max_len, r, max_new_tokens, temperature, seed), batch)
 
     def _generate_one(self, client, model, max_len, r: Request, max_new_tokens, temperature, seed) -> Generated | Failure:
         budget = min(max_new_tokens, max_len - len(r.input_ids))
@@ -626,7 +457,7 @@ class VLLMEngine(Engine):
             "stop_token_ids": list(self.eos_ids),
         }
         try:
-            resp = client.request("POST", "/v1/completions", payload)
+            resp = client.request("POST", "/v1/completions", payload, tag=r.id)
         except RequestFailed as e:
             return Failure(r.id, e.reason, e.message)
         choice = (resp.get("choices") or [{}])[0]

@@ -47,7 +47,22 @@ def register(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an option for a non-hf engine evaluator (repeatable), passed as args.engine_args")
+    _add_evaluator_arguments(p)
     p.set_defaults(func=_run)
+
+
+def _add_evaluator_arguments(p) -> None:
+    """The flags an engine evaluator module (`evaluate/engine_<name>.py`) declares with `add_arguments`
+    (those modules import nothing heavy at module level)."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name.startswith("engine_"):
+            mod = importlib.import_module(f"{__package__}.{info.name}")
+            if hasattr(mod, "add_arguments"):
+                mod.add_arguments(p.add_argument_group(f"{info.name[len('engine_'):]} evaluator"))
 
 
 def _run(args) -> int:

@@ -1,11 +1,13 @@
-"""`eaglenest eval --engine sglang --sglang-url URL`: tau of a draft served by a running SGLang server.
+"""`eaglenest eval --engine sglang (--sglang-url URL | --sglang-serve)`: tau of a draft served by SGLang.
 
-The server is started elsewhere (SGLang needs CUDA), with the draft (SGLang 0.5.23 flags; see
-docs/sglang.md):
+Either a running server with the draft (SGLang 0.5.23 flags; see docs/sglang.md):
 
     python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \\
         --speculative-draft-model-path DRAFT_DIR --speculative-num-steps S \\
         --speculative-eagle-topk K --speculative-num-draft-tokens D
+
+or, with `--sglang-serve`, SGLang's CPU engine started here (from .venv-sglang, 127.0.0.1, a free
+port) twice: with the draft, then without it for the baseline.
 
 The benchmark prompts go one at a time (batch size 1, like the other evaluators) to `POST /generate`
 as token ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
@@ -24,9 +26,10 @@ tau of the in-process and vLLM evaluators leaves it out.  That figure is reporte
 Acceptance at draft position i = steps that accepted more than i draft tokens / verify steps (from
 the histogram).
 
-Options: `--sglang-url URL` (when the eval command offers it) or `--engine-arg url=URL`;
-`--engine-arg baseline_url=URL` (a server without the draft: speedup and, at temperature 0, the
-greedy-equivalence check), `--engine-arg timeout=S`, `--engine-arg retries=N`.
+Options: `--sglang-url URL` or `--engine-arg url=URL`; `--engine-arg baseline_url=URL` (a server
+without the draft: speedup and, at temperature 0, the greedy-equivalence check), `--engine-arg
+timeout=S`, `--engine-arg retries=N`; with `--sglang-serve`: `--engine-arg python=PY`,
+`startup_timeout=S`, `log_dir=DIR` (keep the server logs there), `server_arg=ARG`.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ TAU_SOURCE = "sum(meta_info.completion_tokens) / sum(meta_info.spec_verify_ct)"
 
 
 def add_arguments(p) -> None:
-    """Flags for `eval` (for a CLI that asks engine evaluators for their arguments)."""
+    """Flags of this evaluator for `eval`."""
     p.add_argument("--sglang-url", action="append", default=None, metavar="URL",
                    help="sglang evaluator: base URL of a running SGLang server serving the draft (EAGLE3)")
+    p.add_argument("--sglang-serve", action="store_true",
+                   help="sglang evaluator: start SGLang's CPU engine here with the draft (and again without it for "
+                   "the baseline), stop it at the end")
 
 
 def _urls(args) -> tuple[list[str], list[str]]:
@@ -52,9 +58,12 @@ def _urls(args) -> tuple[list[str], list[str]]:
     if ea.get("url"):
         urls += [u for u in ea["url"].split(",") if u]
     base = [u for u in (ea.get("baseline_url") or "").split(",") if u]
-    if not urls:
-        raise EaglenestError("eval --engine sglang needs a running server: --sglang-url URL or --engine-arg url=URL "
-                             "(launch flags: docs/sglang.md)")
+    serve = getattr(args, "sglang_serve", False)
+    if urls and serve:
+        raise EaglenestError("give either --sglang-url (a running server) or --sglang-serve (start one), not both")
+    if not urls and not serve:
+        raise EaglenestError("eval --engine sglang needs a running server (--sglang-url URL or --engine-arg url=URL; "
+                             "launch flags: docs/sglang.md) or --sglang-serve")
     return urls, base
 
 
@@ -87,10 +96,9 @@ def _server_spec(info: dict) -> dict:
 def run_eval(args) -> dict:
     from eaglenest.capture.layers import default_layer_ids
     from eaglenest.engines.base import Failure
+    from eaglenest.engines.http import Client, RequestFailed
     from eaglenest.engines.sglang import (
         GENERATE_RID_PREFIX,
-        Client,
-        RequestFailed,
         check_item,
         finish,
         generate_payload,
@@ -132,6 +140,10 @@ def run_eval(args) -> dict:
               file=sys.stderr)
 
     timeout, retries = float(ea.get("timeout", 900)), int(ea.get("retries", 1))
+    serve = getattr(a, "sglang_serve", False)
+    served = _Served(a, ea, path, draft_dir, steps, topk, ndt) if serve else None
+    if served is not None:
+        urls = [served.start(spec=True)]
     client = Client(urls, timeout=timeout, retries=retries, concurrency=1)
     version, server_spec = None, {}
     try:
@@ -161,7 +173,7 @@ def run_eval(args) -> dict:
 
         t0 = time.perf_counter()
         try:
-            resp = c.request("POST", "/generate", make_payload=make)
+            resp = c.request("POST", "/generate", make_payload=make, tag="eval")
         except RequestFailed as e:
             raise EaglenestError(f"SGLang request failed: {e.message}") from None
         wall = time.perf_counter() - t0
@@ -187,19 +199,27 @@ def run_eval(args) -> dict:
         return run_conversations(prompts, a.turns, tok, eos, desc, answer)
 
     try:
-        records = run_all(client, True, "eval sglang spec")
-    finally:
-        client.close()
-    if sum(r["verify_steps"] for r in records) == 0 and sum(r["generated_tokens"] for r in records) > len(records):
-        raise EaglenestError("no meta_info.spec_verify_ct in any answer: is the server running the draft "
-                             "(--speculative-algorithm EAGLE3 --speculative-draft-model-path ...)?")
-    base_records = None
-    if base_urls and not a.no_baseline:
-        bclient = Client(base_urls, timeout=timeout, retries=retries, concurrency=1)
         try:
-            base_records = run_all(bclient, False, "eval sglang baseline")
+            records = run_all(client, True, "eval sglang spec")
+        except EaglenestError as e:
+            raise EaglenestError(f"{e}{served.explain() if served else ''}") from None
         finally:
-            bclient.close()
+            client.close()
+        if sum(r["verify_steps"] for r in records) == 0 and sum(r["generated_tokens"] for r in records) > len(records):
+            raise EaglenestError("no meta_info.spec_verify_ct in any answer: is the server running the draft "
+                                 "(--speculative-algorithm EAGLE3 --speculative-draft-model-path ...)?")
+        base_records = None
+        if served is not None and not a.no_baseline:
+            base_urls = [served.start(spec=False)]
+        if base_urls and not a.no_baseline:
+            bclient = Client(base_urls, timeout=timeout, retries=retries, concurrency=1)
+            try:
+                base_records = run_all(bclient, False, "eval sglang baseline")
+            finally:
+                bclient.close()
+    finally:
+        if served is not None:
+            served.close()
 
     mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
     report = report_header("sglang", a, dataset, len(prompts), records, steps=steps, topk=topk, ndt=ndt, path=path,
@@ -211,4 +231,57 @@ def run_eval(args) -> dict:
     report["sglang_server_spec"] = server_spec
     report["sglang_tau_source"] = TAU_SOURCE
     report["sglang_tau_verify_only"] = ((vsteps + sum(r["correct_drafts"] for r in records)) / vsteps) if vsteps else None
+    if served is not None:
+        report["sglang_server_start_s"] = served.start_seconds
     return report
+
+
+class _Served:
+    """The CPU servers `--sglang-serve` starts: one with the draft, then one without (baseline)."""
+
+    def __init__(self, a, ea: dict, path, draft_dir, steps: int, topk: int, ndt: int):
+        import tempfile
+
+        from eaglenest.engines.sglang import find_sglang_python
+
+        self.a, self.path = a, path
+        self.python = find_sglang_python(ea.get("python"))
+        self.spec = {"draft": Path(draft_dir).resolve(), "steps": steps, "topk": topk, "draft_tokens": ndt}
+        self.keep = bool(ea.get("log_dir"))
+        self.workdir = Path(ea["log_dir"]) if self.keep else Path(tempfile.mkdtemp(prefix="eaglenest-sglang-eval-"))
+        self.startup = float(ea.get("startup_timeout", 600))
+        self.extra = [ea["server_arg"]] if ea.get("server_arg") else []
+        self.server = None
+        self.start_seconds: dict[str, float] = {}
+
+    def start(self, spec: bool) -> str:
+        from eaglenest.engines.sglang import server_command, start_server
+
+        self.stop()
+        name = "spec" if spec else "baseline"
+        self.server = start_server(
+            lambda port: server_command(self.python, self.path, port=port, dtype=self.a.dtype, mode="generate",
+                                        speculative=self.spec if spec else None, extra=self.extra),
+            workdir=self.workdir / name, startup_timeout=self.startup)
+        self.start_seconds[name] = self.server.start_seconds or 0.0
+        return self.server.url
+
+    def explain(self) -> str:
+        """The server log's last lines, for an error (e.g. the draft server dying on its first request)."""
+        if self.server is None:
+            return ""
+        return f"; last lines of {self.server.log_path}:\n{self.server.log_tail(25)}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def close(self) -> None:
+        self.stop()
+        if self.keep:
+            print(f"eval sglang: server logs under {self.workdir}", file=sys.stderr)
+        else:
+            import shutil
+
+            shutil.rmtree(self.workdir, ignore_errors=True)

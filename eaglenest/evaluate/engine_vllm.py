@@ -55,10 +55,12 @@ def spec_counters(metrics: dict[str, float], steps: int) -> dict:
 
 def settled_counters(client, steps: int, tries: int = 40) -> dict:
     """Read the counters until two reads agree (the stat logger can trail the HTTP response)."""
-    prev = spec_counters(client.metrics(), steps)
+    from eaglenest.engines.vllm import metrics
+
+    prev = spec_counters(metrics(client), steps)
     for _ in range(tries):
         time.sleep(0.05)
-        cur = spec_counters(client.metrics(), steps)
+        cur = spec_counters(metrics(client), steps)
         if cur == prev:
             return cur
         prev = cur
@@ -73,14 +75,9 @@ def _target_config(path: Path):
 
 def run_eval(args) -> dict:
     from eaglenest.capture.layers import default_layer_ids
-    from eaglenest.engines.vllm import (
-        Client,
-        RequestFailed,
-        VLLMServer,
-        find_vllm_python,
-        finish_generated,
-        server_command,
-    )
+    from eaglenest.engines.http import Client, RequestFailed
+    from eaglenest.engines.server import ServerProcess
+    from eaglenest.engines.vllm import find_vllm_python, finish_generated, model_card, server_command, start_server
     from eaglenest.evaluate.run import (
         chat_prompt_ids, check_draft_fits, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations,
     )
@@ -119,13 +116,12 @@ def run_eval(args) -> dict:
     startup = float(ea.get("startup_timeout", 600))
     spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
 
-    def serve(spec: bool, name: str) -> VLLMServer:
-        wd = workdir / name
-        return VLLMServer(
+    def serve(spec: bool, name: str) -> ServerProcess:
+        return start_server(
             lambda port: server_command(python, path, port=port, dtype=a.dtype, max_model_len=max_len,
                                         speculative_config=spec_cfg if spec else None, extra=extra),
-            workdir=wd, startup_timeout=startup,
-        ).start()
+            workdir=workdir / name, startup_timeout=startup,
+        )
 
     def ask(client: Client, model: str, ids: list[int]):
         room = min(a.max_new_tokens, max_len - len(ids))
@@ -135,7 +131,7 @@ def run_eval(args) -> dict:
                    "seed": int(a.seed), "return_token_ids": True, "skip_special_tokens": False, "stop_token_ids": eos_list}
         t0 = time.perf_counter()
         try:
-            resp = client.request("POST", "/v1/completions", payload)
+            resp = client.request("POST", "/v1/completions", payload, tag="eval")
         except RequestFailed as e:
             raise EaglenestError(f"vLLM request failed: {e.message}") from None
         wall = time.perf_counter() - t0
@@ -146,7 +142,7 @@ def run_eval(args) -> dict:
         return g, wall, resp.get("system_fingerprint")
 
     def run_all(client: Client, spec: bool, desc: str) -> tuple[list[dict], str | None]:
-        model = client.model_card(client.urls[0])["id"]
+        model = model_card(client, client.urls[0])["id"]
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
         ask(client, model, warm)  # warm-up: not timed, and the counters are snapshotted per request
         version = None
