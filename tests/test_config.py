@@ -75,3 +75,14 @@ def test_the_mechanism_is_reusable_by_any_stage(tmp_path):
     with pytest.raises(SystemExit):
         p.parse_args(["--data", "y", "--mode", "c"])  # choices are enforced by argparse
     assert "how many (default: 3)" in p.format_help()
+
+
+def test_the_readme_example_config_is_valid(tmp_path):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("# run.yaml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
+    y = tmp_path / "run.yaml"
+    y.write_text(block)
+    cfg = config_from_args(train_args(["--config", str(y), "--epochs", "1"]))
+    assert (cfg.model, cfg.ttt_steps, cfg.lr, cfg.report_to, cfg.epochs) == ("smollm2", 3, 1e-3, "tensorboard", 1.0)
