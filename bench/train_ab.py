@@ -24,13 +24,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
 
 
 def child(features: str, steps: int, dtype: str) -> dict:
     import time
 
+    import eaglenest
     from eaglenest.models.fetch import fetch
     from eaglenest.train.trainer import TrainConfig, Trainer
 
@@ -43,7 +42,7 @@ def child(features: str, steps: int, dtype: str) -> dict:
         tr.fit()
         t2 = time.perf_counter()
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return {"setup_s": round(t1 - t0, 2), "fit_s": round(t2 - t1, 2), "tokens": sum(r["tokens"] for r in rows),
+    return {"eaglenest": str(Path(eaglenest.__file__).parent), "setup_s": round(t1 - t0, 2), "fit_s": round(t2 - t1, 2), "tokens": sum(r["tokens"] for r in rows),
             "tokens_per_s": round(rows[-1]["tokens_per_s"], 1), "losses": [r["loss"] for r in rows],
             "data_wait_s": [r.get("data_wait_s") for r in rows], "loadavg_1m_after": round(os.getloadavg()[0], 2)}
 
@@ -57,9 +56,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
+    if a.child:  # PYTHONPATH alone decides which eaglenest this process imports
         print("RESULT " + json.dumps(child(a.features, a.steps, a.dtype)))
         return 0
+    sys.path[:0] = [str(HERE), str(ROOT)]
     from common import write_result
 
     base = Path(tempfile.mkdtemp(prefix="eaglenest-base-"))
@@ -77,6 +77,7 @@ def main() -> int:
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             res = json.loads(line[0][7:]) if line else {"error": out.stderr[-2000:]}
             res["loadavg_1m_before"] = round(load, 2)
+            assert "error" in res or res["eaglenest"] == str(Path(trees[name]) / "eaglenest"), (name, res["eaglenest"])
             runs[name].append(res)
             print(name, r, {k: res.get(k) for k in ("tokens_per_s", "fit_s", "loadavg_1m_before", "error")}, flush=True)
     ok = all("error" not in x for v in runs.values() for x in v)

@@ -74,7 +74,6 @@ class Trainer:
         self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
         self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"
         self.ckpt = Checkpointer(self.out, self.rank)
-        self.ckpt.prepare(cfg.resume, cfg.overwrite)  # before anything in RUN_DIR is touched
         resuming = cfg.resume and self.ckpt.latest() is not None
 
         # target and store
@@ -89,6 +88,7 @@ class Trainer:
         if len(store) == 0:
             raise EaglenestError(f"feature store {cfg.features} holds no samples")
         head = target_head(cfg.model)
+        self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
 
         # vocabulary, model, teacher, attention kernel
         self.out.mkdir(parents=True, exist_ok=True)
