@@ -41,7 +41,7 @@ def child(features: str, dtype: str, steps: int, freeze_head: bool) -> dict:
         tr._argmax_room = ARGMAX_CACHE_TOKENS  # a run of several epochs caches; this short one replays epoch 1's batches
 
         def step(s: int) -> tuple[int, float]:
-            loss_val, n, _, _ = tr.optimizer_step(tr.schedule.step_batches(s)[1])
+            loss_val, n, _, _ = tr.optimizer_step(tr.source.load(s))
             return n, loss_val
 
         step(0)  # warm-up: one-time kernel setup, not timed

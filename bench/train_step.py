@@ -137,13 +137,16 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
     last = inp["last"]
     denom = denominators(mask, ttt)
     H = s["H"]
+    from eaglenest.draft.kernels import causal_kernel
+
+    kernel = causal_kernel(attn_impl)  # one kernel for the run, as the trainer holds it (flex compiles once)
 
     def step():
         opt.zero_grad(set_to_none=True)
         tprobs, targ = teacher.targets(last.reshape(-1, H))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
             loss, _ = ttt_forward(model, ids, aux, tprobs.view(1, T, -1), targ.view(1, T), mask, ttt, denom,
-                                  chunk=chunk, checkpoint_logits=cuda, attn_impl=attn_impl, recompute=recompute)
+                                  chunk=chunk, checkpoint_logits=cuda, attn_impl=kernel, recompute=recompute)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()

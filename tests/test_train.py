@@ -217,3 +217,134 @@ def test_cpu_memory_defaults_keep_user_choice_and_trim_runs():
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip() == "64"
     env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "7"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip() == "7"
+
+
+def test_a_run_with_checkpoints_is_not_overwritten_without_resume_or_overwrite(tiny_llama_dir, tiny_store, tmp_path):
+    """Issue 13: `train` into a run directory holding checkpoints used to truncate its metrics and
+    overwrite its checkpoints.  Now it refuses before touching anything; --overwrite starts over."""
+    from eaglenest.cli import main
+
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=3, save_every=1)).fit()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(EaglenestError, match="holds checkpoints up to step-00000003.*--resume.*--overwrite"):
+        Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=5))
+    argv = ["train", "--model", str(tiny_llama_dir), "--features", str(tiny_store), "--out", str(run), "--device", "cpu"]
+    assert main(argv) == 2  # the CLI: one-line error, exit 2
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=2, overwrite=True)).fit()
+    assert len(losses(run)) == 2 and sorted(d.name for d in (run / "checkpoints").glob("step-*")) == ["step-00000002"]
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(batch_tokens=512), "train.batch_tokens: run 256, now 512"),
+    (dict(grad_accum=1, seed=3), "train.grad_accum: run 2, now 1; train.seed: run 0, now 3"),
+    (dict(ttt_steps=4), "train.ttt_steps"),
+    (dict(draft_vocab=400), "train.draft_vocab: run 500, now 400"),
+    (dict(max_len=32), "train.max_len"),
+])
+def test_resume_refuses_a_config_that_changes_data_order_or_model(tiny_llama_dir, tiny_store, tmp_path, change, named):
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=2, save_every=1)).fit()
+    with pytest.raises(EaglenestError, match="--resume would change") as e:
+        Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, **change))
+    assert named in str(e.value)
+    # what does not change the order or the model may change: a longer run, another lr, eval cadence
+    t = Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, max_steps=4, lr=1e-3, eval_every=3))
+    assert t.step == 2
+
+
+def test_resume_refuses_another_store(tiny_llama_dir, tiny_store, tmp_path):
+    """The store's samples are part of the data order: a store with one sample less is refused."""
+    import shutil
+
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=1)).fit()
+    other = tmp_path / "feat2"
+    shutil.copytree(tiny_store, other)
+    from eaglenest.features import FeatureStore
+
+    fs = FeatureStore(other)
+    fs.drop({fs.ids()[0]})
+    with pytest.raises(EaglenestError, match="store_fingerprint"):
+        Trainer(cfg(tiny_llama_dir, other, run, resume=True))
+
+
+def test_resume_loads_checkpoints_strictly(tiny_llama_dir, tiny_store, tmp_path):
+    """A checkpoint missing a tensor (or holding an unknown one) is an error naming the keys, not
+    a silently half-initialized draft (load_state_dict(strict=False) before)."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=1)).fit()
+    f = run / "checkpoints" / "step-00000001" / "model.safetensors"
+    sd = load_file(str(f))
+    sd.pop("midlayer.mlp.up_proj.weight")
+    sd["extra.weight"] = torch.zeros(2)
+    save_file(sd, str(f))
+    with pytest.raises(EaglenestError, match=r"missing \['midlayer.mlp.up_proj.weight'\], unexpected \['extra.weight'\]"):
+        Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, max_steps=2))
+
+
+def test_tensorboard_mirrors_the_jsonl_and_is_closed(tiny_llama_dir, tiny_store, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=3, report_to="tensorboard")).fit()
+    ev = EventAccumulator(str(run / "tb"))
+    ev.Reload()
+    assert [e.step for e in ev.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in ev.Scalars("loss")] == pytest.approx(losses(run), rel=1e-6)
+    assert len(ev.Scalars("train_acc/2")) == 3
+
+
+def test_prefetch_reads_the_next_step_while_this_one_computes(tiny_llama_dir, tiny_store, tmp_path):
+    """Issue 15: the loop never waits on the store when the store is fast enough.  With a slowed
+    reader, the read of step n+1 has begun before step n's optimizer step returns: step n's
+    update waits (on an event, not a clock) until the reader has started on n+1, which can only
+    happen if reading runs ahead of the loop.  Reads stay bounded and the losses are those of a
+    run that reads in the loop (bit-identical)."""
+    import threading
+    import time
+
+    events, lock = [], threading.Lock()
+    started = {}
+
+    def note(*e):
+        with lock:
+            events.append(e)
+
+    def build(out, prefetch):
+        t = Trainer(cfg(tiny_llama_dir, tiny_store, out, max_steps=6, prefetch=prefetch))
+        src, step_fn = t.source, t.optimizer_step
+
+        class SlowSource:
+            def load(self, step):
+                note("read", step)
+                started.setdefault(step, threading.Event()).set()
+                time.sleep(0.05)  # a slow disk
+                return src.load(step)
+
+            def load_batch(self, idx):
+                return src.load_batch(idx)
+
+        def step(data):
+            out = step_fn(data)
+            if data.step + 1 < t.total_steps and prefetch:
+                assert started.setdefault(data.step + 1, threading.Event()).wait(60), f"step {data.step + 1} not read ahead"
+            note("stepped", data.step)
+            return out
+
+        t.source, t.optimizer_step = SlowSource(), step
+        return t
+
+    build(tmp_path / "pre", prefetch=2).fit()
+    order = list(events)
+    for n in range(5):
+        assert order.index(("read", n + 1)) < order.index(("stepped", n))
+    ahead = max(sum(e[0] == "read" for e in order[: i + 1]) - sum(e[0] == "stepped" for e in order[: i + 1]) for i in range(len(order)))
+    assert ahead <= 3  # depth 2: at most the current step and two more are read
+    started.clear()
+    build(tmp_path / "inline", prefetch=0).fit()
+    assert losses(tmp_path / "pre") == losses(tmp_path / "inline")

@@ -1,4 +1,6 @@
-"""The EAGLE-3 draft head (model.py) and its reduced vocabulary (vocab.py)."""
+"""The EAGLE-3 draft head: `Eagle3Draft(DraftConfig)` (model.py, read top to bottom), its attention
+kernels (kernels.py: chunked and flex causal attention for training) and its reduced vocabulary
+(vocab.py)."""
 
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab, check_vocab

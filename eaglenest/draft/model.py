@@ -17,24 +17,13 @@ vocabulary.  The parameter names are exactly those of the portable checkpoint
 (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`) that both SGLang and vLLM load;
 `embed_tokens` is never exported (both engines use the target's).
 
-Attention supports the two patterns eaglenest needs without materializing a big mask:
-  * `past_kv` + `mask`: ordinary keys (a KV cache, or the whole sequence in training) with a
-    boolean mask [.., Tq, Tk] (causal in training, tree/chain ancestry when decoding);
-  * `diag_kv`: extra (K, V) pairs from earlier training-time-test steps, where query t sees
-    only key t of each ("each step attends to the same positions of earlier steps");
-    with `own_as_diag` a TTT step's own key joins them and `past_kv` (step 0's keys, causal
-    mask) is the whole ordinary context.
-
-`attn_impl` picks how the training pattern is computed (all compute the same function):
-  * "eager": scores [B, kv, g, T, Tk] materialized (the reference; any mask; decoding);
-  * "chunked": plain torch, flash-style: the causal part over query chunks with an online
-    log-sum-exp and a hand-written backward that recomputes scores, so no more than
-    [chunk, T] scores per kv head group ever exist (CPU and GPU; no compiler needed);
-  * "flex": `torch.nn.attention.flex_attention` with a causal block mask returning the
-    log-sum-exp (compiled on CUDA; eager flex on CPU is forward-only).
-  The fast paths cover the training pattern only (ordinary keys = the queries' own positions,
-  causal, no explicit mask): the causal part yields (out_c, lse_c) and the diagonal keys are
-  merged exactly, out = (e^lse_c out_c + sum_i e^s_i v_i) / (e^lse_c + sum_i e^s_i).
+Attention has two paths, one per use (the kernels live in kernels.py):
+  * decoding, `Eagle3Draft.step(.., past_kv, mask)`: keys = cat(KV cache, new keys) under a
+    boolean mask [.., Tq, Tk] (tree/chain ancestry; causal for a whole sequence);
+  * training-time test, `Eagle3Draft.ttt_step(.., ctx_kv, diag_kv, kernel)`: step 0's keys
+    causally, plus, at step j > 0, key t of every step 1..j at query t (the "diagonal": each step
+    attends to the same positions of earlier steps).  `kernel` computes the causal part and
+    returns its log-sum-exp so the diagonal keys merge exactly; None = the materializing reference.
 """
 
 from __future__ import annotations
@@ -46,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from eaglenest.draft.kernels import eager_attention, merge_diagonal
 
 
 @dataclass
@@ -159,140 +150,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-ATTN_IMPLS = ("eager", "chunked", "flex")
-
-
-def default_attn_impl(device) -> str:
-    """flex on CUDA (compiled flash-style kernel), the materializing reference elsewhere."""
-    return "flex" if torch.device(device).type == "cuda" else "eager"
-
-
-def _chunk_rows(n_kv: int, g: int, T: int, budget: int) -> int:
-    """Query rows per chunk so that one chunk's scores [B=1, kv, g*rows, T] hold ~budget elements."""
-    return max(16, min(T, budget // max(1, n_kv * g * T)))
-
-
-class _ChunkedCausal(torch.autograd.Function):
-    """Causal GQA attention returning (out, lse), flash-style in plain torch.
-
-    q [B, kv, g, T, hd], k/v [B, kv, T, hd] -> out [B, kv, g, T, hd] (q's dtype), lse [B, kv, g, T]
-    (fp32, natural log).  Forward and backward walk query chunks; a chunk's scores
-    [B, kv, g*c, e] (e = chunk end) are the largest transient.  The backward takes a gradient
-    for lse too (dS = P * (dP - D + dlse)), which the exact diagonal merge needs.  The g query
-    heads of a kv head are stacked along rows, so K/V are never repeated.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, rows: int):
-        B, n_kv, g, T, hd = q.shape
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.empty_like(q)
-        lse = torch.empty(B, n_kv, g, T, dtype=acc, device=q.device)
-        for s in range(0, T, rows):
-            e = min(T, s + rows)
-            c = e - s
-            qc = q[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            sc = torch.matmul(qc, k[:, :, :e].transpose(-1, -2)).to(acc).mul_(scale)  # [B, kv, g*c, e]
-            sc5 = sc.view(B, n_kv, g, c, e)
-            tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)  # key > query inside the block
-            sc5[..., s:e].masked_fill_(tri, float("-inf"))
-            l = torch.logsumexp(sc, dim=-1, keepdim=True)
-            p = sc.sub_(l).exp_().to(v.dtype)
-            out[:, :, :, s:e] = torch.matmul(p, v[:, :, :e]).view(B, n_kv, g, c, hd)
-            lse[:, :, :, s:e] = l.view(B, n_kv, g, c)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.rows = scale, rows
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        scale, rows = ctx.scale, ctx.rows
-        B, n_kv, g, T, hd = q.shape
-        acc = lse.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        for s in range(0, T, rows):
-            e = min(T, s + rows)
-            c = e - s
-            qc = q[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            doc = dout[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            D = (doc.to(acc) * out[:, :, :, s:e].reshape(B, n_kv, g * c, hd).to(acc)).sum(-1, keepdim=True)
-            if dlse is not None:
-                D = D - dlse[:, :, :, s:e].reshape(B, n_kv, g * c, 1).to(acc)
-            sc = torch.matmul(qc, k[:, :, :e].transpose(-1, -2)).to(acc).mul_(scale)
-            sc5 = sc.view(B, n_kv, g, c, e)
-            tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)
-            sc5[..., s:e].masked_fill_(tri, float("-inf"))
-            p = sc.sub_(lse[:, :, :, s:e].reshape(B, n_kv, g * c, 1)).exp_()  # [B, kv, g*c, e]
-            dv[:, :, :e] += torch.matmul(p.to(v.dtype).transpose(-1, -2), doc).to(acc)
-            dp = torch.matmul(doc, v[:, :, :e].transpose(-1, -2)).to(acc)
-            ds = p.mul_(dp.sub_(D)).mul_(scale).to(q.dtype)  # dS * scale
-            dq[:, :, :, s:e] = torch.matmul(ds, k[:, :, :e]).view(B, n_kv, g, c, hd).to(acc)
-            dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), qc).to(acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-_FLEX_MASKS: dict = {}
-_FLEX_FN: dict = {}
-
-
-def _causal_mask_mod(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def causal_block_mask(T: int, device, block: int = 128):
-    """The causal BlockMask built from its block structure directly (O((T/block)^2) ints):
-    create_block_mask would evaluate the mask over all T*T pairs (17 G at 131072) unless compiled."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = (T + block - 1) // block
-    ar = torch.arange(n, device=device, dtype=torch.int32)
-    kv_num = torch.ones(1, 1, n, dtype=torch.int32, device=device)  # the diagonal block: partial
-    full_idx = ar.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # row r: blocks 0..r-1 are full
-    full_num = ar.view(1, 1, n).clone()
-    kv_idx = full_idx.clone()
-    kv_idx[..., 0] = ar  # row r: block r (the diagonal) is partial
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=_causal_mask_mod, seq_lengths=(T, T))
-
-
-def _flex_causal(q, k, v, scale: float):
-    """flex_attention over q [B, H, T, hd], k/v [B, kv, T, hd] with a causal block mask -> (out, lse)."""
-    from torch.nn.attention import flex_attention as fa
-
-    T, dev = q.shape[2], q.device
-    key = (T, str(dev))
-    bm = _FLEX_MASKS.get(key)
-    if bm is None:
-        _FLEX_MASKS.clear()  # one length at a time
-        bm = _FLEX_MASKS[key] = causal_block_mask(T, dev)
-    fn = fa.flex_attention
-    if dev.type == "cuda":  # eager flex materializes the scores: compile it (once per process)
-        fn = _FLEX_FN.get("cuda")
-        if fn is None:
-            fn = _FLEX_FN["cuda"] = torch.compile(fa.flex_attention, dynamic=False)
-    kw = dict(block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    if hasattr(fa, "AuxRequest"):
-        out, aux = fn(q, k, v, return_aux=fa.AuxRequest(lse=True), **kw)
-        return out, aux.lse
-    return fn(q, k, v, return_lse=True, **kw)
-
-
-def causal_attention_lse(q, k, v, scale: float, impl: str, chunk_elems: int | None = None):
-    """q [B, kv, g, T, hd], k/v [B, kv, T, hd] -> (out [B, kv, g, T, hd], lse [B, kv, g, T] fp32)."""
-    B, n_kv, g, T, hd = q.shape
-    if impl == "chunked":
-        budget = chunk_elems or (1 << 28 if q.is_cuda else 1 << 22)
-        return _ChunkedCausal.apply(q, k, v, scale, _chunk_rows(n_kv, g, T, budget))
-    if impl == "flex":
-        out, lse = _flex_causal(q.reshape(B, n_kv * g, T, hd), k, v, scale)
-        return out.view(B, n_kv, g, T, hd), lse.view(B, n_kv, g, T).float()
-    raise ValueError(f"attn_impl must be one of {ATTN_IMPLS} (got {impl!r})")
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -302,65 +159,42 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.hd, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(self.hd)
 
-    def forward(self, x, cos, sin, past_kv=None, mask=None, diag_kv=(), own_as_diag=False, attn_impl="eager"):
-        """x [B, T, 2H]; mask [B or 1, T, Tk] bool (True = may attend) over the ordinary keys:
-        cat(past, new), or past alone when own_as_diag (then the new keys are diagonal).
-        attn_impl != "eager": the training pattern only; `mask` is ignored and the ordinary keys
-        (own keys, or past_kv with own_as_diag) are attended causally."""
+    def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
-        g = self.n_head // self.n_kv
         q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        new_kv = (k, v)
-        if own_as_diag:
-            diag_kv = [*diag_kv, new_kv]
-            k, v = past_kv
-        elif past_kv is not None:
-            if attn_impl != "eager":
-                raise ValueError(f"attn_impl={attn_impl!r} covers the training pattern only (no KV cache): use eager")
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
         # grouped-query attention without copying K/V: queries as [B, kv, g, T, hd]
-        qg = q.view(B, self.n_kv, g, T, self.hd)
-        scale = 1.0 / math.sqrt(self.hd)
-        acc = torch.promote_types(q.dtype, torch.float32)  # softmax in >= fp32 (bf16 under autocast)
-        if attn_impl != "eager":
-            if k.shape[2] != T:
-                raise ValueError(f"attn_impl={attn_impl!r}: ordinary keys must be the queries' own positions ({k.shape[2]} != {T})")
-            out = self._fast(qg, k, v, diag_kv, scale, acc, attn_impl)
+        return q.view(B, self.n_kv, self.n_head // self.n_kv, T, self.hd), k, v
+
+    def _out(self, o):
+        B, _, _, T, _ = o.shape
+        return self.o_proj(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+    def forward(self, x, cos, sin, past_kv=None, mask=None):
+        """Decoding: x [B, T, 2H]; keys = cat(past_kv, own); mask [B or 1, T, Tk] bool (True = may
+        attend) or None (every key).  Returns (output, own (K, V))."""
+        qg, k, v = self._qkv(x, cos, sin)
+        keys = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2))
+        return self._out(eager_attention(qg, *keys, mask, (), self.scale)), (k, v)
+
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None):
+        """Training-time test: step 0 (ctx_kv None) attends causally to its own keys; step j > 0 to
+        step 0's keys `ctx_kv` causally and, at query t, to key t of each of `diag_kv` and of its own."""
+        qg, k, v = self._qkv(x, cos, sin)
+        T = qg.shape[3]
+        if ctx_kv is None:
+            keys, diag = (k, v), list(diag_kv)
         else:
-            out = self._eager(qg, k, v, mask, diag_kv, scale, acc)
-        out = out.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd)
-        return self.o_proj(out), new_kv
-
-    @staticmethod
-    def _eager(qg, k, v, mask, diag_kv, scale, acc):
-        s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale  # [B, kv, g, T, Tk]
-        if mask is not None:
-            s = s.masked_fill(~mask[:, None, None], float("-inf"))
-        # earlier TTT steps: query t sees key t of each ([B, kv, g, T, 1] scores)
-        ds = [(qg * dk.unsqueeze(2)).sum(-1, keepdim=True).to(acc) * scale for dk, _ in diag_kv]
-        p = torch.softmax(torch.cat([s, *ds], dim=-1), dim=-1).to(v.dtype)
-        Tk = k.shape[2]
-        out = torch.matmul(p[..., :Tk], v.unsqueeze(2))
-        for i, (_, dv) in enumerate(diag_kv):
-            out = out + p[..., Tk + i : Tk + i + 1] * dv.unsqueeze(2)
-        return out
-
-    @staticmethod
-    def _fast(qg, k, v, diag_kv, scale, acc, impl):
-        out_c, lse_c = causal_attention_lse(qg, k, v, scale, impl)
-        if not diag_kv:
-            return out_c
-        # exact merge of the diagonal keys: a softmax over [lse_c, s_1 .. s_j] weights out_c and v_i
-        ds = [(qg * dk.unsqueeze(2)).sum(-1).to(acc) * scale for dk, _ in diag_kv]  # [B, kv, g, T] each
-        w = torch.softmax(torch.stack([lse_c.to(acc), *ds], dim=-1), dim=-1)  # [B, kv, g, T, 1 + j]
-        out = w[..., 0:1] * out_c.to(acc)
-        for i, (_, dv) in enumerate(diag_kv):
-            out = out + w[..., i + 1 : i + 2] * dv.unsqueeze(2).to(acc)
-        return out.to(v.dtype)
+            keys, diag = ctx_kv, [*diag_kv, (k, v)]
+        if kernel is None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]
+            o = eager_attention(qg, *keys, causal, diag, self.scale)
+        else:
+            o = merge_diagonal(*kernel(qg, *keys, self.scale), qg, diag, self.scale)
+        return self._out(o), (k, v)
 
 
 class MLP(nn.Module):
@@ -386,9 +220,10 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, past_kv=None, mask=None, diag_kv=(), own_as_diag=False, attn_impl="eager"):
+    def forward(self, embeds, hidden, attend):
+        """`attend(x) -> (attention output, own (K, V))`: the decoding or the training attention."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        a, new_kv = self.self_attn(x, cos, sin, past_kv, mask, diag_kv, own_as_diag, attn_impl)
+        a, new_kv = attend(x)
         h = hidden + a  # the residual is the un-normed hidden input (engines' default)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
@@ -418,12 +253,19 @@ class Eagle3Draft(nn.Module):
         """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]."""
         return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
 
-    def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None, diag_kv=(), own_as_diag=False, attn_impl="eager"):
-        """One draft forward. Returns (pre-norm hidden to feed back, this step's (K, V)).
-        attn_impl "chunked"/"flex": the training pattern without a [T, Tk] mask or scores (see top)."""
+    def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None):
+        """One decoding forward over the KV cache `past_kv` under `mask` (see Attention.forward).
+        Returns (pre-norm hidden to feed back, this step's (K, V))."""
         cos, sin = self.rotary(position_ids)
-        embeds = self.embed(input_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, past_kv, mask, diag_kv, own_as_diag, attn_impl)
+        attn = self.midlayer.self_attn
+        return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn(x, cos, sin, past_kv, mask))
+
+    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None):
+        """One training-time-test step over whole sequences (see Attention.forward_ttt); `kernel`
+        from eaglenest.draft.kernels.causal_kernel (None: the materializing reference)."""
+        cos, sin = self.rotary(position_ids)
+        attn = self.midlayer.self_attn
+        return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits from a pre-norm hidden."""
@@ -442,8 +284,7 @@ class Eagle3Draft(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]
-        h, _ = self.step(input_ids, self.fuse(aux_hidden_states), position_ids, mask=causal)
+        h, _ = self.ttt_step(input_ids, self.fuse(aux_hidden_states), position_ids)
         return self.logits(h)
 
     def exported_state_dict(self) -> dict[str, torch.Tensor]:

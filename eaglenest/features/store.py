@@ -179,6 +179,18 @@ class FeatureStore:
     def lengths(self) -> list[int]:
         return [e["n_tokens"] for e in self.entries]
 
+    def input_ids(self, i: int) -> torch.Tensor:
+        """Sample i's token ids alone (int32 [T]; no hidden states read)."""
+        return self._read(i, "input_ids")
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Sample i's loss mask alone (uint8 [T]; no hidden states read)."""
+        return self._read(i, "loss_mask")
+
+    def _read(self, i: int, name: str) -> torch.Tensor:
+        e = self.entries[i]
+        return self._open(e["shard"]).get_tensor(f"{e['key']}.{name}")
+
     def _open(self, shard: str):
         h = self._handles.get(shard)
         if h is None:

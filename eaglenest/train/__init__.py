@@ -1,5 +1,9 @@
-"""Training: the TTT loss (ttt.py), data order (data.py) and the loop (trainer.py)."""
+"""Training stage: `eaglenest train` fits the EAGLE-3 draft with training-time test on a feature
+store.  Public entry: `Trainer(TrainConfig(...)).fit()`.  Pieces: config.py (options), setup.py
+(vocabulary, model, teacher, optimizer), data.py + loader.py (order, prefetched reads),
+checkpoint.py (run directory, resume), distributed.py (torchrun), metrics.py, ttt.py (the loss)."""
 
-from eaglenest.train.trainer import TrainConfig, Trainer
+from eaglenest.train.config import TrainConfig
+from eaglenest.train.trainer import Trainer
 
 __all__ = ["TrainConfig", "Trainer"]

@@ -36,6 +36,10 @@ class Batch:
     last: torch.Tensor  # [B, T, H]
     n_tokens: int
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies, so the host-to-GPU copies can be asynchronous."""
+        return Batch(*(t.pin_memory() for t in (self.input_ids, self.loss_mask, self.aux, self.last)), self.n_tokens)
+
 
 def collate(store: FeatureStore, idx: list[int], max_len: int | None = None) -> Batch:
     items = [store[i] for i in idx]

@@ -1,86 +1,55 @@
-"""The EAGLE-3 training loop, top to bottom: setup -> (resume) -> steps -> eval -> checkpoints.
+"""The EAGLE-3 training loop, top to bottom: set-up from its pieces -> (resume) -> steps -> eval
+-> checkpoints.
 
 One optimizer step = `grad_accum` micro-batches (global, across ranks).  Each micro-batch's loss
 is normalized by the *global* token count of its step, and gradients are summed across ranks
 with one all-reduce, so N processes compute the same update as one process with the same global
 batch.  Run state (model, optimizer, scheduler, RNG, step) is checkpointed by rank 0; the data
 position is the step number (see data.py), so a resumed run replays exactly the same batches.
+
+The pieces, each tested on its own: distributed.py (process group, collectives), setup.py
+(vocabulary, model, teacher, optimizer, schedule), data.py + loader.py (order, prefetched
+reading), checkpoint.py (run directory, checkpoints, resume rules), metrics.py (JSONL,
+TensorBoard), ttt.py (the loss).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
+from eaglenest.draft.model import DraftConfig
 from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
 from eaglenest.features import FeatureStore
-from eaglenest.train.data import Schedule, collate, split
-from eaglenest.train.ttt import Teacher, denominators, ttt_forward
-from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, atomic_write_json, progress, read_json, release_free_heap
+from eaglenest.train.checkpoint import Checkpointer, check_resume
+from eaglenest.train.config import RESUME_FIXED, TrainConfig
+from eaglenest.train.data import Batch, Schedule, split
+from eaglenest.train.distributed import Distributed
+from eaglenest.train.loader import Prefetcher, StepData, StoreSource
+from eaglenest.train.metrics import MetricsLog, prefix_keys, summarize
+from eaglenest.train.setup import (
+    build_draft,
+    build_optimizer,
+    build_scheduler,
+    build_teacher,
+    fc_input_rms,
+    lr_lambda,
+    store_fingerprint,
+    vocab_counts,
+)
+from eaglenest.train.ttt import denominators, ttt_forward
+from eaglenest.utils import atomic_write_json, progress, read_json, release_free_heap
 
-
-@dataclass
-class TrainConfig:
-    model: str
-    features: str
-    out: str
-    ttt_steps: int = 7
-    draft_vocab: int = 32000
-    epochs: float = 1.0
-    max_steps: int | None = None
-    lr: float = 1e-4
-    warmup_steps: int = 0  # 0: 3% of the run
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    batch_tokens: int = 4096
-    grad_accum: int = 1
-    max_len: int = 2048
-    eval_fraction: float = 0.02
-    eval_every: int = 0  # 0: ~10 times per run
-    eval_max_batches: int = 8
-    save_every: int = 0  # 0: only at the end
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    init_head: str = "target"  # target: lm_head rows + final norm copied from the target; random
-    freeze_head: bool = False  # keep lm_head at its (target) init: ~1.7x faster steps on CPU
-    fc_init: str = "scaled"  # scaled: fc columns divided by the aux features' RMS (see _init_fc); random
-    resume: bool = False
-    log_every: int = 1
-    attn_impl: str = "auto"  # auto: flex on CUDA, eager on CPU; or eager | chunked | flex (same function)
-    recompute: str = "auto"  # activation checkpointing per TTT step: auto (CUDA, when the activations would not fit) | none | layer
-    logits_chunk: int = 0  # rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)
-    extra: dict = field(default_factory=dict)
-
+__all__ = ["ARGMAX_CACHE_TOKENS", "TrainConfig", "Trainer", "estimate_activation_bytes", "lr_lambda", "summarize"]
 
 TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stays ~1/3 (train_cpu_memory.json)
 ARGMAX_CACHE_TOKENS = 1 << 28  # 1 GiB of int32: beyond that, later epochs recompute the target's argmax
-
-
-def _dist(device: str = "auto"):
-    """(dist module or None, rank, world size, whether we initialized the process group).
-    Under torchrun (WORLD_SIZE > 1): NCCL when the run uses CUDA, gloo otherwise (CPU runs)."""
-    import torch.distributed as dist
-
-    owns = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        on_cuda = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda:")
-        dist.init_process_group("nccl" if on_cuda else "gloo")
-        owns = True
-    if dist.is_available() and dist.is_initialized():
-        return dist, dist.get_rank(), dist.get_world_size(), owns
-    return None, 0, 1, owns
 
 
 def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
@@ -91,249 +60,143 @@ def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
     return int(tokens * ttt * (47 * H + 8 * I))
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    prog = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
-
-
-def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
-    """Token frequencies under the loss mask, from the store itself (exactly the training data)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for i in range(len(store)):
-        e = store.entries[i]
-        h = store._open(e["shard"])
-        ids = h.get_tensor(f"{e['key']}.input_ids").long()
-        m = h.get_tensor(f"{e['key']}.loss_mask").bool()
-        counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         from eaglenest.models.target import load_config, target_fingerprint
         from eaglenest.models.weights import target_head
-        from eaglenest.utils import resolve_device
 
+        cfg.validate()
         self.cfg = cfg
-        self.dist, self.rank, self.world, self._owns_pg = _dist(cfg.device)
+        self.dist = Distributed(cfg.device)
+        self.rank, self.world = self.dist.rank, self.dist.world
         self.out = Path(cfg.out)
-        self.device = resolve_device(cfg.device)
-        if self.device == "cuda" and self.world > 1:
-            self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(self.device)
+        self.device = self._device()
         self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
         self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"
+        self.ckpt = Checkpointer(self.out, self.rank)
+        resuming = cfg.resume and self.ckpt.latest() is not None
 
-        self.store = FeatureStore(cfg.features)
-        meta = self.store.meta
-        tcfg = load_config(cfg.model)
-        if meta.target_fingerprint != target_fingerprint(cfg.model) or meta.hidden_size != tcfg.hidden_size:
+        # target and store
+        self.store = store = FeatureStore(cfg.features)
+        meta, tcfg = store.meta, load_config(cfg.model)
+        tfp = target_fingerprint(cfg.model)
+        if meta.target_fingerprint != tfp or meta.hidden_size != tcfg.hidden_size:
             raise EaglenestError(
                 f"feature store {cfg.features} was captured from {meta.target} (hidden {meta.hidden_size}, "
                 f"{meta.num_layers} layers), not from {cfg.model} (hidden {tcfg.hidden_size}, {tcfg.num_hidden_layers} layers)"
             )
-        if len(self.store) == 0:
+        if len(store) == 0:
             raise EaglenestError(f"feature store {cfg.features} holds no samples")
         head = target_head(cfg.model)
+        self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
 
-        # draft vocabulary (rank 0 decides; others read it back for identical mapping)
+        # vocabulary, model, teacher, attention kernel
         self.out.mkdir(parents=True, exist_ok=True)
-        vocab_path = self.out / "vocab.safetensors"
-        if cfg.resume and vocab_path.exists():
-            from safetensors.torch import load_file
-
-            v = load_file(str(vocab_path))
-            d2t, t2d = v["d2t"], v["t2d"]
-        else:
-            eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
-            self.counts = vocab_counts(self.store, tcfg.vocab_size)
-            d2t, t2d = build_vocab(self.counts, cfg.draft_vocab, always=[e for e in eos if e is not None])
+        d2t, t2d = self._vocab(tcfg, resuming)
         rows = draft_ids_to_target(d2t)
-
         dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids)
-        torch.manual_seed(cfg.seed)
-        self.model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
-        self._init_weights(head, rows, cfg.init_head)
-        self._init_fc(cfg.fc_init)
-        if cfg.freeze_head:
-            if cfg.init_head != "target":
-                raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
-            self.model.lm_head.weight.requires_grad_(False)
-        self.model.set_vocab(d2t, t2d)
-        self.model.to(self.device)
-        teacher_dtype = torch.bfloat16 if self.autocast else torch.float32
-        self.teacher = Teacher(
-            norm_weight=head["norm"].float() if meta.final_norm == "pre" else None,
-            norm_eps=tcfg.rms_norm_eps,
-            lm_head=head["lm_head"].to(teacher_dtype),  # bf16 on CUDA: no resident fp32 copy (2 GB at 8B)
-            draft_rows=rows,
-            t2d=t2d,
-            matmul_dtype=teacher_dtype,
-        ).to(self.device)
-        from eaglenest.draft.model import ATTN_IMPLS, default_attn_impl
-
+        self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
+                         "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
+        if resuming:
+            self._check_resume()
+        fc_rms = None
+        if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
+            fc_rms = fc_input_rms(store) if self.rank == 0 else torch.zeros(3 * meta.hidden_size)
+            fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
+        self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
+                                 fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
+        self.teacher = build_teacher(head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=tcfg.rms_norm_eps,
+                                     bf16=self.autocast).to(self.device)
         self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
-        if cfg.recompute not in ("auto", "none", "layer"):
-            raise EaglenestError(f"--recompute must be auto, none or layer (got {cfg.recompute})")
+        self.attn = causal_kernel(self.attn_impl, self.device)  # flex keeps its compiled function and masks here
 
-        train_idx, self.eval_idx = split(self.store, cfg.eval_fraction)
-        self.schedule = Schedule(self.store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
-        self.eval_batches = Schedule(self.store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
+        # data: order (Schedule) and this rank's reads (StoreSource)
+        train_idx, self.eval_idx = split(store, cfg.eval_fraction)
+        self.schedule = Schedule(store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
+        self.eval_batches = Schedule(store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
+        self.source = StoreSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin=self.device_type == "cuda")
         spe = self.schedule.steps_per_epoch
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
         self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
-        self.params = trainable = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in trainable if p.ndim >= 2]
-        no_decay = [p for p in trainable if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_lambda(s, self.warmup, self.total_steps, cfg.min_lr_ratio)
-        )
+        self.n_train_tokens = sum(store.lengths()[i] for i in train_idx)
+
+        # optimizer and schedule
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
+        self.sched = build_scheduler(self.opt, self.warmup, self.total_steps, cfg.min_lr_ratio)
         self.step = 0
         # micro-batch -> the target's argmax per position (host RAM, int32), reused by later epochs;
         # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
         self._argmax: dict[tuple, torch.Tensor] = {}
         self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
-        self.n_train_tokens = sum(self.store.lengths()[i] for i in train_idx)
-        if self.rank == 0 and not cfg.resume:
+
+        if resuming:
+            self.step = self.ckpt.load(self.model, self.opt, self.sched)
+        elif self.rank == 0:
             from safetensors.torch import save_file
 
-            save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(vocab_path))
-        if cfg.resume:
-            self._load_latest()
+            save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(self.out / "vocab.safetensors"))
         if self.rank == 0:
-            atomic_write_json(
-                self.out / "config.json",
-                {
-                    "train": asdict(cfg),
-                    "draft": dcfg.to_dict(),
-                    "store": meta.to_dict(),
-                    "target": str(cfg.model),
-                    "n_train_samples": len(train_idx),
-                    "n_eval_samples": len(self.eval_idx),
-                    "n_train_tokens": self.n_train_tokens,
-                    "total_steps": self.total_steps,
-                    "steps_per_epoch": spe,
-                    "world_size": self.world,
-                    "draft_vocab_coverage": self._coverage(t2d),
-                },
-            )
+            atomic_write_json(self.out / "config.json", {
+                "train": asdict(cfg), "draft": dcfg.to_dict(), "store": meta.to_dict(), "target": str(cfg.model),
+                "identity": self.identity, "n_train_samples": len(train_idx), "n_eval_samples": len(self.eval_idx),
+                "n_train_tokens": self.n_train_tokens, "total_steps": self.total_steps, "steps_per_epoch": spe,
+                "world_size": self.world, "draft_vocab_coverage": self._coverage(t2d),
+            })
 
-    # --- setup helpers ---------------------------------------------------------------------
-    def _init_weights(self, head, rows, how: str) -> None:
-        m = self.model
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.Linear):
-                torch.nn.init.normal_(mod.weight, std=0.02)
-        if how == "target":
-            # start the output space where the target's is: its lm_head rows and final norm
-            with torch.no_grad():
-                m.lm_head.weight.copy_(head["lm_head"].float()[rows])
-                m.norm.weight.copy_(head["norm"].float())
-        elif how != "random":
-            raise EaglenestError(f"--init-head must be target or random (got {how})")
+    # --- set-up helpers --------------------------------------------------------------------
+    def _device(self) -> str:
+        from eaglenest.utils import resolve_device
 
-    @torch.no_grad()
-    def _init_fc(self, how: str, n_samples: int = 32) -> None:
-        """Targets have massive activations (SmolLM2: a few dims of layer 15/27 reach 10^2-10^4), so
-        a plain N(0, 0.02) fc lets those dims dominate the draft's residual stream and its output,
-        and hundreds of steps go into unlearning them.  Dividing each input column by its RMS over
-        a few samples is the same architecture with whitened inputs (a pure re-parametrization of
-        the initial point); the first token (attention sink) is left out of the statistics."""
-        if how == "random":
+        device = resolve_device(self.cfg.device)
+        if device == "cuda" and self.world > 1:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        return device
+
+    def _vocab(self, tcfg, resuming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's draft vocabulary: a resumed run's own; else from the store's token counts,
+        counted by rank 0 (the other ranks read only their own samples) and broadcast."""
+        path = self.out / "vocab.safetensors"
+        self.counts = None
+        if resuming and path.exists():
+            from safetensors.torch import load_file
+
+            v = load_file(str(path))
+            return v["d2t"], v["t2d"]
+        counts = vocab_counts(self.store, tcfg.vocab_size) if self.rank == 0 else torch.zeros(tcfg.vocab_size, dtype=torch.int64)
+        self.counts = self.dist.broadcast_(counts)
+        eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
+        return build_vocab(self.counts, self.cfg.draft_vocab, always=[e for e in eos if e is not None])
+
+    def _check_resume(self) -> None:
+        p = self.out / "config.json"
+        if not p.exists():
             return
-        if how not in ("scaled", "high"):
-            raise EaglenestError(f"--fc-init must be scaled, high or random (got {how})")
-        acc, n = None, 0
-        for i in range(min(n_samples, len(self.store))):
-            a = self.store[i]["aux_hidden_states"][1:].float()
-            acc = a.pow(2).sum(0) if acc is None else acc + a.pow(2).sum(0)
-            n += a.shape[0]
-        if not n:
-            return
-        rms = (acc / n).sqrt().clamp_min(1e-3)
-        fc = self.model.fc.weight
-        fc.copy_(torch.randn_like(fc) * (1.0 / fc.shape[1]) ** 0.5 / rms.to(fc))
-        if how == "high":  # start from the high aux layer itself: the draft's output begins as a logit lens
-            H = fc.shape[0]
-            fc[:, 2 * H : 3 * H] += torch.eye(H, dtype=fc.dtype, device=fc.device)
+        saved = read_json(p, "run config")
+        ident = saved.get("identity") or {"train": {k: saved.get("train", {}).get(k) for k in RESUME_FIXED}, "draft": saved.get("draft", {})}
+        check_resume(ident, self.identity, self.out)
 
     def _coverage(self, t2d) -> float | None:
-        c = getattr(self, "counts", None)
+        c = self.counts
         if c is None or c.sum() == 0:
             return None
         return float(c[t2d].sum() / c.sum())
 
-    # --- checkpoints -----------------------------------------------------------------------
-    def _ckpt_dir(self, step: int) -> Path:
-        return self.out / "checkpoints" / f"step-{step:08d}"
-
     def save(self) -> Path | None:
-        if self.rank != 0:
-            return None
-        from safetensors.torch import save_file
-
-        d = self._ckpt_dir(self.step)
-        tmp = d.with_name(d.name + ".partial")
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.exported_state_dict().items()}, str(tmp / "model.safetensors"))
-        import io
-
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": list(random.getstate()[1]),
-            },
-            buf,
-        )
-        atomic_write_bytes(tmp / "state.pt", buf.getvalue())
-        atomic_write_json(tmp / "trainer_state.json", {"step": self.step, "total_steps": self.total_steps})
-        if d.exists():
-            import shutil
-
-            shutil.rmtree(d)
-        os.replace(tmp, d)
-        atomic_write_json(self.out / "checkpoints" / "latest.json", {"step": self.step, "dir": d.name})
-        return d
-
-    def _load_latest(self) -> None:
-        from safetensors.torch import load_file
-
-        latest = self.out / "checkpoints" / "latest.json"
-        if not latest.exists():
-            return  # nothing to resume: start fresh
-        d = self.out / "checkpoints" / read_json(latest)["dir"]
-        sd = load_file(str(d / "model.safetensors"))
-        self.model.load_state_dict(sd, strict=False)
-        st = torch.load(d / "state.pt", weights_only=True)
-        self.opt.load_state_dict(st["optimizer"])
-        self.sched.load_state_dict(st["scheduler"])
-        torch.set_rng_state(st["torch_rng"])
-        random.setstate((3, tuple(st["python_rng"]), None))
-        self.step = read_json(d / "trainer_state.json")["step"]
-        if self.rank == 0:
-            print(f"resumed from {d} at step {self.step}", file=sys.stderr)
+        return self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward(self, idx: list[int], denom: torch.Tensor):
-        b = collate(self.store, idx, self.cfg.max_len)
+    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor):
         dev = self.device
+        nb = self.device_type == "cuda"  # pinned by the loader: the copies overlap
         # micro-batches keep their samples every epoch: the target's argmax is computed once per batch
-        key = tuple(idx)
         known = self._argmax.get(key)
-        tprobs, targ = self.teacher.targets(b.last.to(dev).reshape(-1, b.last.shape[-1]), argmax=None if known is None else known.long())
+        last = b.last.to(dev, non_blocking=nb)
+        tprobs, targ = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if known is None else known.long())
         if known is None and targ.numel() <= self._argmax_room:
             self._argmax[key] = targ.to("cpu", torch.int32)
             self._argmax_room -= targ.numel()
@@ -342,16 +205,16 @@ class Trainer:
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
             loss, stats = ttt_forward(
                 self.model,
-                b.input_ids.to(dev),
-                b.aux.to(dev).to(torch.bfloat16 if self.autocast else torch.float32),
+                b.input_ids.to(dev, non_blocking=nb),
+                b.aux.to(dev, non_blocking=nb).to(torch.bfloat16 if self.autocast else torch.float32),
                 tprobs.view(B, T, -1),
                 targ.view(B, T),
-                b.loss_mask.to(dev),
+                b.loss_mask.to(dev, non_blocking=nb),
                 self.cfg.ttt_steps,
                 denom.to(dev),
                 chunk=self.cfg.logits_chunk or (4096 if cuda else 1024),
                 checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
-                attn_impl=self.attn_impl,
+                attn_impl=self.attn,
                 recompute=self._recompute(B * T),
             )
         return loss, stats, b.n_tokens
@@ -364,12 +227,6 @@ class Trainer:
         free, _ = torch.cuda.mem_get_info(self.device)
         return estimate_activation_bytes(self.model.cfg, tokens, self.cfg.ttt_steps) > 0.5 * free
 
-    def _denoms(self, batches: list[list[int]]) -> torch.Tensor:
-        d = torch.zeros(self.cfg.ttt_steps)
-        for idx in batches:
-            d += denominators(collate_mask(self.store, idx, self.cfg.max_len), self.cfg.ttt_steps)
-        return d
-
     @torch.no_grad()
     def evaluate(self) -> dict | None:
         if not self.eval_batches:
@@ -378,8 +235,8 @@ class Trainer:
         tot = {"loss_sum": 0, "correct": 0, "count": 0, "loss_count": 0}
         per = [dict(tot) for _ in range(self.cfg.ttt_steps)]
         for idx in self.eval_batches:
-            denom = self._denoms([idx])
-            _, stats, _ = self._forward(idx, denom)
+            b = self.source.load_batch(idx)
+            _, stats, _ = self._forward(b, tuple(idx), denominators(b.loss_mask, self.cfg.ttt_steps))
             for j in range(self.cfg.ttt_steps):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
@@ -390,60 +247,62 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.model.train()
-        log_path = self.out / "metrics.jsonl"
-        if self.rank == 0 and not cfg.resume and log_path.exists():
-            log_path.unlink()
-        if self.rank == 0 and cfg.resume:
-            _truncate_log(log_path, self.step)
+        log = MetricsLog(self.out, cfg.report_to) if self.rank == 0 else None
+        if log:
+            log.start(self.step)
         bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step") if self.rank == 0 else None
         t_start, tok_seen = time.time(), 0
         last_eval = None
-        while self.step < self.total_steps:
-            epoch, batches = self.schedule.step_batches(self.step)
-            loss_val, n_tok, agg, gnorm = self.optimizer_step(batches)
-            self.step += 1
-            tok_seen += n_tok
-            if self.rank == 0:
-                rec = {"step": self.step, "epoch": epoch, "lr": self.sched.get_last_lr()[0], "loss": loss_val, "grad_norm": gnorm, "tokens": n_tok}
-                rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
-                rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
-                if self.step % self.eval_every == 0 or self.step == self.total_steps:
-                    last_eval = self.evaluate()
-                    if last_eval:
-                        rec.update(prefix_keys(last_eval, "eval_"))
-                append_jsonl_durable(log_path, [rec])
-                _tensorboard(self.out, rec)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            if self.device_type == "cpu" and self.step % TRIM_EVERY == 0:
-                release_free_heap()
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
-                self.save()
-        if bar:
-            bar.close()
+        try:
+            with Prefetcher(self.source, cfg.prefetch, cfg.loader_threads, end=self.total_steps) as loader:
+                while self.step < self.total_steps:
+                    t_wait = time.perf_counter()
+                    data = loader.get(self.step)
+                    t_wait = time.perf_counter() - t_wait
+                    loss_val, n_tok, agg, gnorm = self.optimizer_step(data)
+                    self.step += 1
+                    tok_seen += n_tok
+                    if log:
+                        rec = {"step": self.step, "epoch": data.epoch, "lr": self.sched.get_last_lr()[0], "loss": loss_val,
+                               "grad_norm": gnorm, "tokens": n_tok, "data_wait_s": round(t_wait, 4)}
+                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
+                        rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
+                        if self.step % self.eval_every == 0 or self.step == self.total_steps:
+                            last_eval = self.evaluate()
+                            if last_eval:
+                                rec.update(prefix_keys(last_eval, "eval_"))
+                        log.log(rec)
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                    if self.device_type == "cpu" and self.step % TRIM_EVERY == 0:
+                        release_free_heap()
+                    if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                        self.save()
+        finally:
+            if log:
+                log.close()
+            if bar:
+                bar.close()
         final = self.save()
         if self.rank == 0:
             from eaglenest.train.plots import plot_run
 
             plot_run(self.out)
             atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval})
-        if self.world > 1:
-            self.dist.barrier()  # every rank returns once rank 0's final checkpoint is complete
-            if self._owns_pg:
-                self.dist.destroy_process_group()
+        self.dist.barrier()  # every rank returns once rank 0's final checkpoint is complete
+        self.dist.close()
         return {"step": self.step, "eval": last_eval, "checkpoint": final}
 
-    def optimizer_step(self, batches: list[list[int]]) -> tuple[float, int, dict, float]:
-        """One optimizer step over the micro-batches `batches` (this rank's share of them):
-        (loss, tokens, per-TTT-step stat sums, gradient norm before clipping)."""
+    def optimizer_step(self, data: StepData) -> tuple[float, int, dict, float]:
+        """One optimizer step over this rank's micro-batches of a step (`self.source.load(step)`):
+        (loss, tokens, per-TTT-step stat sums, gradient norm before clipping), summed over ranks."""
         cfg, params = self.cfg, self.params
-        denom = self._denoms(batches)
-        mine = [b for k, b in enumerate(batches) if k % self.world == self.rank]
+        denom = self.dist.sum(data.denom) if self.world > 1 else data.denom  # every rank's tokens count
         self.opt.zero_grad(set_to_none=True)
-        agg = {"loss_sum": [0.0] * cfg.ttt_steps, "correct": [0.0] * cfg.ttt_steps, "count": [0.0] * cfg.ttt_steps, "loss_count": [0.0] * cfg.ttt_steps}
+        agg = {k: [0.0] * cfg.ttt_steps for k in ("loss_sum", "correct", "count", "loss_count")}
         n_tok, loss_val = 0, 0.0
-        for idx in mine:
-            loss, stats, nt = self._forward(idx, denom)
+        for b, key in zip(data.batches, data.keys):
+            loss, stats, nt = self._forward(b, key, denom)
             loss.backward()
             loss_val += float(loss.detach())
             n_tok += nt
@@ -457,79 +316,14 @@ class Trainer:
         return loss_val, n_tok, agg, gnorm
 
     def _allreduce(self, params, loss_val, n_tok, agg):
-        dist = self.dist
-        # losses are globally normalized: the SUM is the full-batch gradient.  In place, one
-        # collective per parameter (the draft has ~13), all in flight at once: no flat copy.
-        works = []
+        # losses are globally normalized: the SUM of the ranks' gradients is the full-batch gradient
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            works.append(dist.all_reduce(p.grad, async_op=True))
-        for w in works:
-            w.wait()
+        self.dist.all_reduce_sum_([p.grad for p in params])
         keys = list(agg)
-        stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64)
-        dist.all_reduce(stats)
+        stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64, device=self.dist.device)
+        self.dist.all_reduce_sum_([stats])
         s = stats.tolist()
         T = self.cfg.ttt_steps
-        agg = {k: s[2 + i * T : 2 + (i + 1) * T] for i, k in enumerate(keys)}
-        return s[0], int(s[1]), agg
-
-
-def collate_mask(store: FeatureStore, idx: list[int], max_len: int) -> torch.Tensor:
-    """Only the loss masks of a micro-batch (cheap: no hidden states read)."""
-    masks = []
-    for i in idx:
-        e = store.entries[i]
-        masks.append(store._open(e["shard"]).get_tensor(f"{e['key']}.loss_mask")[:max_len].long())
-    T = max(m.numel() for m in masks)
-    out = torch.zeros(len(masks), T, dtype=torch.long)
-    for b, m in enumerate(masks):
-        out[b, : m.numel()] = m
-    return out
-
-
-def summarize(per: list[dict]) -> dict:
-    """Per-TTT-position loss/accuracy and the acceptance length they imply for chain drafting."""
-    loss = [p["loss_sum"] / max(1.0, p["loss_count"]) for p in per]
-    acc = [p["correct"] / max(1.0, p["count"]) for p in per]
-    tau, run = 1.0, 1.0
-    taus = []
-    for a in acc:  # tau(k) = 1 + sum_i prod_{j<=i} acc_j  (step accuracies as conditional acceptances)
-        run *= a
-        tau += run
-        taus.append(tau)
-    return {"loss": loss, "acc": acc, "expected_tau": taus}
-
-
-def prefix_keys(d: dict, p: str) -> dict:
-    return {p + k: v for k, v in d.items()}
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """On resume, drop log lines past the checkpoint (they will be recomputed identically)."""
-    if not path.exists():
-        return
-    from eaglenest.utils import read_jsonl_tolerant
-
-    rows = read_jsonl_tolerant(path)  # a kill mid-append leaves a torn last line
-    keep = [r for r in rows if r["step"] <= step]
-    atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
-
-
-_TB = {}
-
-
-def _tensorboard(out: Path, rec: dict) -> None:
-    """Mirror scalars to tensorboard when it is installed (optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except Exception:
-        return
-    w = _TB.get(out) or _TB.setdefault(out, SummaryWriter(str(out / "tb")))
-    for k, v in rec.items():
-        if isinstance(v, (int, float)):
-            w.add_scalar(k, v, rec["step"])
-        elif isinstance(v, list):
-            for j, x in enumerate(v):
-                w.add_scalar(f"{k}/{j}", x, rec["step"])
+        return s[0], int(s[1]), {k: s[2 + i * T : 2 + (i + 1) * T] for i, k in enumerate(keys)}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
 
 
@@ -142,18 +143,19 @@ def ttt_forward(
     step_decay: float = 0.8,
     chunk: int = 1024,
     checkpoint_logits: bool = True,
-    attn_impl: str = "eager",
+    attn_impl="eager",
     recompute: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens).
 
-    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked" or "flex" (see
-    eaglenest/draft/model.py); recompute: run each draft step under activation checkpointing
-    (keeps ~its inputs, K/V and output per step instead of every intermediate: long sequences)."""
+    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked" or "flex", or a kernel
+    object from eaglenest.draft.kernels.causal_kernel (the trainer keeps one: flex's compiled
+    function and block masks live on it); recompute: run each draft step under activation
+    checkpointing (keeps ~its inputs, K/V and output per step instead of every intermediate)."""
     B, T = input_ids.shape
     dev = input_ids.device
+    kernel = causal_kernel(attn_impl) if isinstance(attn_impl, str) else attn_impl
     pos = torch.arange(T, device=dev).expand(B, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] if attn_impl == "eager" else None
     in_draft = draft.t2d[teacher_argmax]
     weights = step_weights(loss_mask, in_draft, ttt)
     hidden = draft.fuse(aux)
@@ -166,14 +168,12 @@ def ttt_forward(
     per_step = []  # (loss_sum, correct, count, loss_count) as tensors: one host sync at the end
     for j in range(ttt):
         tok = shift_left(input_ids, 1 + j)
-        if j == 0:
-            args, kw = (tok, hidden, pos), dict(mask=causal, attn_impl=attn_impl)
-        else:  # step-0 keys causally, plus key t of every later step (its own included)
-            args, kw = (tok, hidden, pos + j), dict(past_kv=ctx_kv, mask=causal, diag_kv=list(past_diag), own_as_diag=True, attn_impl=attn_impl)
+        # step 0: its own keys causally; step j: step 0's keys causally + key t of steps 1..j
+        kw = dict(ctx_kv=ctx_kv, diag_kv=list(past_diag), kernel=kernel)
         if recompute and grad:
-            h, kv = checkpoint(draft.step, *args, use_reentrant=False, **kw)
+            h, kv = checkpoint(draft.ttt_step, tok, hidden, pos + j, use_reentrant=False, **kw)
         else:
-            h, kv = draft.step(*args, **kw)
+            h, kv = draft.ttt_step(tok, hidden, pos + j, **kw)
         if j == 0:
             ctx_kv = kv
         else:

@@ -1,0 +1,159 @@
+"""Typed stage configs: one dataclass per stage is the single declaration of its options.
+
+A stage declares its config as a dataclass whose fields carry their help text (and, optionally,
+choices or a metavar) in `option(...)` metadata; its CLI then needs three lines:
+
+    add_arguments(parser, TrainConfig)            # --flag per field, --config FILE, --print-config
+    cfg = from_args(args, TrainConfig)            # defaults < YAML file < flags given on the line
+    if args.print_config: print(to_yaml(cfg))
+
+Precedence is by *presence*: the generated flags have no argparse default, so a flag typed on the
+command line always wins over the file, even when it repeats the dataclass default (`--lr 1e-4`
+beats a YAML `lr: 3e-4`).  Unknown keys, wrong types and missing required options are one-line
+EaglenestErrors naming the file, line and field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from eaglenest import EaglenestError
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default=_MISSING, help: str = "", *, choices=None, metavar: str | None = None, cli: bool = True, default_factory=_MISSING):
+    """A dataclass field with its command-line help.  cli=False: settable from the YAML file only."""
+    meta = {"help": help, "choices": choices, "metavar": metavar, "cli": cli}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(scalar type, whether None is allowed) of an annotation such as `int | None`."""
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0] if len(args) == 1 else str
+    return (typing.get_origin(tp) or tp), optional
+
+
+def _fields(cls) -> list[tuple[dataclasses.Field, type, bool]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, *_base_type(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:
+        return f.default_factory()
+    return _MISSING
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per field of `cls` (no argparse defaults: see the module docstring), plus
+    --config FILE and --print-config."""
+    for f, tp, optional in _fields(cls):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        d = _default(f)
+        required = d is _MISSING
+        help_ = meta.get("help", "") + (" (required: flag or config file)" if required else f" (default: {d})")
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_.replace("%", "%%")}
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _parse_optional(tp) if optional else tp
+            if meta.get("choices"):
+                kw["choices"] = meta["choices"]
+            kw["metavar"] = meta.get("metavar") or (None if meta.get("choices") else f.name.upper())
+        parser.add_argument(flag(f.name), **kw)
+    parser.add_argument("--config", metavar="FILE.yaml", default=None,
+                        help="YAML file with any of these options by field name (e.g. `lr: 3.0e-4`); flags given here win over it")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as YAML (defaults < --config file < flags) and exit")
+
+
+def _parse_optional(tp):
+    def parse(s: str):
+        return None if s.lower() in ("none", "null") else tp(s)
+
+    parse.__name__ = tp.__name__
+    return parse
+
+
+def _coerce(value, tp, optional: bool, where: str):
+    if value is None:
+        if optional:
+            return None
+        raise EaglenestError(f"{where}: null is not allowed here")
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, str, bool, dict, list) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise EaglenestError(f"{where}: expected {'' if not optional else 'null or '}{tp.__name__}, got {value!r}")
+
+
+def read_yaml(path: str | Path, cls) -> dict:
+    """The options in a YAML file, checked against the fields of `cls` (file:line in every error)."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except OSError as e:
+        raise EaglenestError(f"{path}: cannot read config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise EaglenestError(f"{path}:{mark.line + 1 if mark else '?'}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EaglenestError(f"{path}:1: a config file is a mapping of option: value")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if isinstance(node, yaml.MappingNode) else {}
+    fields = {f.name: (tp, optional) for f, tp, optional in _fields(cls)}
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        where = f"{path}:{lines.get(k, '?')}: {k}"
+        if key not in fields:
+            raise EaglenestError(f"{where}: unknown option; valid: {', '.join(sorted(fields))}")
+        out[key] = _coerce(v, *fields[key], where)
+    return out
+
+
+def from_args(args: argparse.Namespace, cls):
+    """defaults < --config file < flags present on the command line."""
+    values = read_yaml(args.config, cls) if getattr(args, "config", None) else {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    missing = [flag(f.name) for f, _, _ in _fields(cls) if _default(f) is _MISSING and f.name not in values]
+    if missing:
+        raise EaglenestError(f"missing required option(s) {', '.join(missing)} (on the command line or in --config)")
+    return cls(**values)
+
+
+def to_yaml(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

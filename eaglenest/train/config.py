@@ -1,0 +1,79 @@
+"""`TrainConfig`: every option of `eaglenest train`, declared once (the CLI is generated from it,
+see eaglenest/config.py), and the rule of which options a `--resume` may not change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglenest import EaglenestError
+from eaglenest.config import option
+
+ATTN_CHOICES = ["auto", "eager", "chunked", "flex"]
+
+
+@dataclass
+class TrainConfig:
+    model: str = option(help="target checkpoint directory or known name (smollm2)", metavar="TARGET")
+    features: str = option(help="feature store written by `eaglenest capture`", metavar="FEAT_DIR")
+    out: str = option(help="run directory", metavar="RUN_DIR")
+    ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
+    draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
+    epochs: float = option(1.0, "passes over the training split")
+    max_steps: int | None = option(None, "optimizer steps (overrides --epochs)")
+    lr: float = option(1e-4, "peak learning rate (AdamW, beta2 0.95)")
+    warmup_steps: int = option(0, "linear warm-up steps (0: 3% of the run)")
+    min_lr_ratio: float = option(0.1, "cosine decay floor as a fraction of --lr")
+    weight_decay: float = option(0.0, "AdamW weight decay of matrices")
+    grad_clip: float = option(0.5, "gradient norm clip")
+    batch_tokens: int = option(4096, "padded tokens per micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step (global, over all ranks)")
+    max_len: int = option(2048, "truncate samples to this many tokens")
+    eval_fraction: float = option(0.02, "held-out share of samples (by id hash)")
+    eval_every: int = option(0, "steps between held-out evals (0: ~10 per run)")
+    eval_max_batches: int = option(8, "held-out micro-batches per eval")
+    save_every: int = option(0, "checkpoint every N steps (0: only at the end)")
+    seed: int = option(0, "seed of the initialization and of the data order")
+    device: str = option("auto", "cpu, cuda, cuda:N or auto")
+    dtype: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16/AMX",
+                        choices=["auto", "bf16", "fp32"])
+    init_head: str = option("target", "lm_head/norm initialized from the target's rows, or random", choices=["target", "random"])
+    freeze_head: bool = option(False, "keep lm_head at the target's rows (faster; EAGLE-1 style)")
+    fc_init: str = option("scaled", "fc init: scaled = whitened by the aux features' RMS; high = scaled + identity on the "
+                          "high aux layer; random", choices=["scaled", "high", "random"])
+    resume: bool = option(False, "continue from RUN_DIR's latest checkpoint (refused if the data order or the model would change)")
+    overwrite: bool = option(False, "start over in a RUN_DIR that holds checkpoints (deletes them and metrics.jsonl)")
+    log_every: int = option(1, "steps per metrics line")
+    attn_impl: str = option("auto", "TTT attention: auto = flex on CUDA, eager on CPU; chunked = flash-style in plain torch "
+                            "(all compute the same function)", choices=ATTN_CHOICES)
+    recompute: str = option("auto", "activation checkpointing of each TTT step (auto: on CUDA when activations would not fit)",
+                            choices=["auto", "none", "layer"])
+    logits_chunk: int = option(0, "rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)")
+    prefetch: int = option(2, "optimizer steps of micro-batches read ahead of the loop (0: read in the loop)")
+    loader_threads: int = option(1, "threads reading and collating prefetched micro-batches")
+    report_to: str = option("jsonl", "metrics sink: jsonl (RUN_DIR/metrics.jsonl, always written) or tensorboard "
+                            "(also RUN_DIR/tb; needs `pip install 'eaglenest[tensorboard]'`)", choices=["jsonl", "tensorboard"])
+    extra: dict = option(default_factory=dict, help="free-form notes kept in RUN_DIR/config.json", cli=False)
+
+    def validate(self) -> None:
+        for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len"):
+            if getattr(self, name) <= 0:
+                raise EaglenestError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if not 0 <= self.eval_fraction < 1:
+            raise EaglenestError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction})")
+        if self.prefetch < 0 or self.loader_threads < 1:
+            raise EaglenestError(f"--prefetch must be >= 0 and --loader-threads >= 1 (got {self.prefetch}, {self.loader_threads})")
+        if self.resume and self.overwrite:
+            raise EaglenestError("--resume and --overwrite exclude each other")
+        if self.freeze_head and self.init_head != "target":
+            raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
+        for name, allowed in (("attn_impl", ATTN_CHOICES), ("recompute", ["auto", "none", "layer"]), ("init_head", ["target", "random"]),
+                              ("fc_init", ["scaled", "high", "random"]), ("dtype", ["auto", "bf16", "fp32"]),
+                              ("report_to", ["jsonl", "tensorboard"])):
+            if getattr(self, name) not in allowed:
+                raise EaglenestError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} (got {getattr(self, name)})")
+
+
+# A resumed run replays the data order and continues the model and optimizer of its checkpoint:
+# these options decide them, so `--resume` with a different value is refused (the model's shape
+# is checked through the draft config, the target and the store through their fingerprints).
+RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head")

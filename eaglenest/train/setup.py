@@ -1,0 +1,123 @@
+"""The pieces a training run is built from, each usable (and tested) on its own:
+the draft vocabulary, the draft model and its initialization, the teacher head, the optimizer and
+its schedule, and the fingerprints that say which data and model a run belongs to."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eaglenest import EaglenestError
+from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.features import FeatureStore
+from eaglenest.train.ttt import Teacher
+from eaglenest.utils import sha256_text
+
+
+# --- vocabulary ---------------------------------------------------------------------------------
+def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
+    """Token frequencies under the loss mask, from the store itself (exactly the training data)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(store)):
+        ids, m = store.input_ids(i).long(), store.loss_mask(i).bool()
+        counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+# --- model --------------------------------------------------------------------------------------
+def fc_input_rms(store: FeatureStore, n_samples: int = 32) -> torch.Tensor | None:
+    """RMS of each aux feature over the first samples, the first token (attention sink) left out."""
+    acc, n = None, 0
+    for i in range(min(n_samples, len(store))):
+        a = store[i]["aux_hidden_states"][1:].float()
+        acc = a.pow(2).sum(0) if acc is None else acc + a.pow(2).sum(0)
+        n += a.shape[0]
+    return (acc / n).sqrt().clamp_min(1e-3) if n else None
+
+
+def build_draft(dcfg: DraftConfig, head: dict, rows: torch.Tensor, d2t, t2d, *, seed: int, init_head: str, fc_init: str,
+                fc_rms: torch.Tensor | None, freeze_head: bool) -> Eagle3Draft:
+    """The draft with the run's initialization (a pure function of its arguments)."""
+    torch.manual_seed(seed)
+    model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
+    init_weights(model, head, rows, init_head)
+    init_fc(model, fc_init, fc_rms)
+    if freeze_head:
+        model.lm_head.weight.requires_grad_(False)
+    model.set_vocab(d2t, t2d)
+    return model
+
+
+def init_weights(model: Eagle3Draft, head: dict, rows: torch.Tensor, how: str) -> None:
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            torch.nn.init.normal_(mod.weight, std=0.02)
+    if how == "target":
+        # start the output space where the target's is: its lm_head rows and final norm
+        with torch.no_grad():
+            model.lm_head.weight.copy_(head["lm_head"].float()[rows])
+            model.norm.weight.copy_(head["norm"].float())
+    elif how != "random":
+        raise EaglenestError(f"--init-head must be target or random (got {how})")
+
+
+@torch.no_grad()
+def init_fc(model: Eagle3Draft, how: str, rms: torch.Tensor | None) -> None:
+    """Targets have massive activations (SmolLM2: a few dims of layer 15/27 reach 10^2-10^4), so
+    a plain N(0, 0.02) fc lets those dims dominate the draft's residual stream and its output,
+    and hundreds of steps go into unlearning them.  Dividing each input column by its RMS
+    (`fc_input_rms`) is the same architecture with whitened inputs (a pure re-parametrization
+    of the initial point)."""
+    if how == "random" or rms is None:
+        return
+    if how not in ("scaled", "high"):
+        raise EaglenestError(f"--fc-init must be scaled, high or random (got {how})")
+    fc = model.fc.weight
+    fc.copy_(torch.randn_like(fc) * (1.0 / fc.shape[1]) ** 0.5 / rms.to(fc))
+    if how == "high":  # start from the high aux layer itself: the draft's output begins as a logit lens
+        H = fc.shape[0]
+        fc[:, 2 * H : 3 * H] += torch.eye(H, dtype=fc.dtype, device=fc.device)
+
+
+def build_teacher(head: dict, rows, t2d, *, pre_norm: bool, norm_eps: float, bf16: bool) -> Teacher:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return Teacher(
+        norm_weight=head["norm"].float() if pre_norm else None,
+        norm_eps=norm_eps,
+        lm_head=head["lm_head"].to(dtype),  # bf16 on CUDA: no resident fp32 copy (2 GB at 8B)
+        draft_rows=rows,
+        t2d=t2d,
+        matmul_dtype=dtype,
+    )
+
+
+# --- optimizer and schedule ---------------------------------------------------------------------
+def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, beta2 0.95; weight decay on matrices only."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to `min_ratio` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+
+def build_scheduler(opt, warmup: int, total: int, min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, min_ratio))
+
+
+# --- identity -----------------------------------------------------------------------------------
+def store_fingerprint(store: FeatureStore) -> str:
+    """The store's setup (target, layers, dtype, ...) and its samples in order: what the data
+    order of a run is a function of."""
+    m = store.meta.to_dict()
+    parts = [repr(sorted((k, repr(v)) for k, v in m.items() if k not in ("target", "engine")))]
+    parts += [f"{i}:{n}" for i, n in zip(store.ids(), store.lengths())]
+    return sha256_text("\n".join(parts))[:16]
