@@ -3,7 +3,10 @@ reports tau from /metrics with the in-process evaluator's report keys.
 
 Until a trained draft is given, a random-init draft exported with `save_draft` is served: it must
 load (sharing the target's embeddings), its acceptance is ~0 (tau ~1.0, the same as the
-in-process evaluator measures on it), and greedy outputs must equal the non-speculative server's.
+in-process evaluator measures on it), and its greedy outputs must agree with the non-speculative
+server's as far as bf16 allows: vLLM verifies 4 tokens in one batched forward, which on some CPUs
+(an AMD EPYC without AMX) is not bit-identical to decoding them one by one, so a generation may
+part from the baseline -- but only at a token where the baseline's top-2 logprobs nearly tie.
 The demo's trained draft (the session's `demo --quick` run, or EAGLENEST_VLLM_AGREEMENT_DRAFT=DIR)
 must be accepted by vLLM exactly as by our decoder in fp32 (prompt by prompt) and within 5 % in
 bf16 (3 steps, greedy, the same MT-bench prompts).
@@ -21,6 +24,11 @@ import pytest
 from vllm_helpers import make_random_draft, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
+
+# Largest baseline logprob margin, at a divergence, that bf16 rounding explains: SmolLM2's logits are
+# ~10-30, where one bf16 step is 0.06-0.125, and batched vs one-row kernels moved logits by up to
+# 0.25 here (evaluate/exact.py); a real wiring bug parts at a clear winner (margins of whole nats).
+NEAR_TIE = 0.5
 
 PROMPTS = [
     {"question_id": "q1", "turns": ["What is the capital of France?", "And of Italy?"]},
@@ -53,7 +61,7 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     print("vllm report:", json.dumps({k: v for k, v in rv.items() if k not in ("per_prompt", "machine")}))
     assert rv["engine"] == "vllm" and rv["n_generations"] == 4 and rv["verify_steps"] > 0
     assert rv["tau"] is not None and 1.0 <= rv["tau"] < 1.1, "a random draft is (almost) never accepted"
-    assert rv["greedy_matches_baseline"] is True, rv["greedy_mismatches"]
+    assert_bf16_greedy_agreement(rv)
     assert rv["vllm_draft_shares_target_embeddings"] is True
     assert rv["vllm_unaccounted_tokens"] == 0
     log = (tmp_path / "logs" / "spec" / "server.log").read_text()
@@ -66,6 +74,22 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     assert not missing, f"vLLM report lacks keys of the HF report: {sorted(missing)}"
     assert set(rh["per_prompt"][0]) <= set(rv["per_prompt"][0])
     assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])
+
+
+def assert_bf16_greedy_agreement(r: dict) -> None:
+    """Every greedy generation equals the baseline's, or parts from it at a near-tie of the
+    baseline's own top-2 (a later turn may then differ from its prompt on)."""
+    mm = r.get("greedy_mismatches") or []
+    parted = set()
+    for m in mm:
+        print(f"greedy divergence: prompt {m['id']} turn {m['turn']} at {m['where']}: "
+              f"logprob gap {m.get('logprob_gap')} top-2 {m.get('baseline_top_logprobs')}")
+        if m["where"].startswith("prompt"):
+            assert (m["id"], m["turn"] - 1) in parted, m  # only after an earlier turn parted
+        else:
+            assert m["logprob_gap"] is not None and 0 <= m["logprob_gap"] <= NEAR_TIE, m
+        parted.add((m["id"], m["turn"]))
+    assert r["greedy_matches_baseline"] is (not mm)
 
 
 def _same_text(rv: dict, rh: dict) -> list[tuple[dict, dict]]:
