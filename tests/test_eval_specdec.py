@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [[1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253], [1, 42], list(range(1, 40, 3))]
 N_NEW = 24
-ROWS = 12  # the largest verification forward below (topk 4, 12 draft tokens)
+ROWS = [4, 7, 12]  # the verification sizes whose exactness the tests below rely on
 
 
 def _require_exact(v: dict) -> None:
@@ -190,7 +190,7 @@ def test_num_draft_tokens_rules():
 @pytest.fixture(scope="module")
 def tiny_bf16_verified(tiny_llama_dir):
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    return m, exact.prepare(m, rows=7, topk=2)
+    return m, exact.prepare(m, rows=[4, 7], topk=2)
 
 
 @pytest.fixture

@@ -18,10 +18,11 @@ verification forward is made exact where it is not:
 
   1. attention ("rowwise"): each query row of a verification forward is its own single-query
      SDPA call over exactly the keys it may see -- the call plain decoding makes for that token;
-  2. per Linear weight shape, the model's own weights are fed random rows, batched (2..k rows)
-     against one row at a time; a shape that differs anywhere runs row by row (each row an M=1
-     call, what plain decoding does) in forwards of 2..k rows only (verification, and prefills
-     of prompts that short); the batched kernel stays where it is exact;
+  2. per Linear weight shape, the model's own weights are fed random rows, batched (k rows: a
+     verification forward always has exactly num_draft_tokens rows) against one row at a time; a
+     shape that differs runs row by row (each row an M=1 call, what plain decoding does) in
+     forwards of 2..k rows only (verification, and prefills of prompts that short, which both
+     decoders share); the batched kernel stays where it is exact;
   3. end to end: a real k-row verification forward (chain, and a tree when topk > 1) against
      one-token forwards over the same KV cache: logits, every layer's hidden state (the aux
      states are among them) and the new KV entries must be bit-identical.  If not, every
@@ -29,8 +30,8 @@ verification forward is made exact where it is not:
      as not exact (`exact: false`), never claimed.
 
 A probe can show that kernels differ, never prove they do not: the per-shape probe compares
-2**18 outputs per (shape, rows) (fewer for shapes narrower than 512 outputs: at most 256 calls),
-so a kernel differing in 1 of 6,000 outputs passes it with probability ~e^-40; the end-to-end
+2**18 outputs per (shape, k) (fewer for shapes narrower than 1,024 outputs: at most 256 calls),
+so a kernel differing in 1 of 7,000 outputs passes it with probability ~e^-37; the end-to-end
 probe then checks the whole forward.  Everything decided is in the report's `verification` block.
 
 On CUDA the default is the model's own attention (`--attention auto`): row-wise verification is
@@ -187,15 +188,15 @@ def linear_groups(model) -> dict[tuple, list[str]]:
 
 
 @torch.inference_mode()
-def probe_linear(module: torch.nn.Linear, max_rows: int, seed: int = 0) -> dict[int, tuple[int, int]]:
-    """{rows M: (differing outputs, outputs compared)}: M-row calls vs M one-row calls, on the
-    module's own weights with random inputs shaped like a batch-1 forward's [1, M, K]."""
+def probe_linear(module: torch.nn.Linear, rows: list[int], seed: int = 0) -> dict[int, tuple[int, int]]:
+    """{M: (differing outputs, outputs compared)} for each M in `rows`: M-row calls vs M one-row
+    calls, on the module's own weights with random inputs shaped like a batch-1 forward's [1, M, K]."""
     w = module.weight
     n_out, k = w.shape
     g = torch.Generator().manual_seed(seed)
     res = {}
-    for m in range(2, max_rows + 1):
-        trials = min(PROBE_TRIALS, max(2, -(-PROBE_OUTPUTS // (m * n_out))))
+    for m in rows:
+        trials = min(PROBE_TRIALS, -(-PROBE_OUTPUTS // (m * n_out)))
         x = torch.randn(trials, 1, m, k, generator=g).to(device=w.device, dtype=w.dtype)
         diff = 0
         for t in range(trials):
@@ -287,43 +288,55 @@ def probe_end_to_end(model, rows: int, topk: int = 1, trials: int = 2, prompt_le
 # the set-up the evaluator runs
 
 
-def prepare(model, *, rows: int, topk: int = 1, attention: str = "rowwise") -> dict:
-    """Make `model`'s `rows`-token verification forwards exact where this machine allows, and say
-    what was done and measured: the report's `verification` block (see the module docstring).
+def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "rowwise") -> dict:
+    """Make `model`'s verification forwards of `rows` tokens (num_draft_tokens; a list when one
+    model serves several) exact where this machine allows, and say what was done and measured:
+    the report's `verification` block (see the module docstring).
     attention: 'rowwise' (the exact path) or 'model' (the model's own attention, only probed)."""
     t0 = time.perf_counter()
+    sizes = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows) if int(r) > 1})
+    most = max(sizes, default=1)
     dtype = next(model.parameters()).dtype
     rowwise: dict = {"attention": None, "linears": [], "all_linears": False}
-    probe: dict = {"threads": torch.get_num_threads(), "rows_probed": list(range(2, rows + 1)), "linears": None}
+    probe: dict = {"threads": torch.get_num_threads(), "rows_probed": sizes, "linears": None}
     groups = linear_groups(model)
     modules = dict(model.named_modules())
-    if attention == "rowwise" and rows > 1:
-        install_rowwise_attention(model, rows)
+
+    def end_to_end() -> dict:
+        runs = [probe_end_to_end(model, k, topk) for k in sizes]
+        bad = next((r for r in runs if not r["exact"]), None)
+        return {"exact": bad is None, "shapes": runs[0]["shapes"] if runs else [], "rows": sizes,
+                "tensors_compared": sum(r["tensors_compared"] for r in runs),
+                "first_difference": bad and bad["first_difference"],
+                "max_abs_logit_difference": max((r["max_abs_logit_difference"] for r in runs), default=0.0)}
+
+    if attention == "rowwise" and sizes:
+        install_rowwise_attention(model, most)
         rowwise["attention"] = ("every query row of a verification forward is one single-query SDPA call over the keys "
                                 "it may see (multi-row SDPA is not row-invariant)")
         probe["linears"] = []
         for (shape, dt, _dev, bias), names in groups.items():
-            res = probe_linear(modules[names[0]], rows)
+            res = probe_linear(modules[names[0]], sizes)
             differing = {str(m): d for m, (d, _) in res.items()}
             probe["linears"].append({"shape": list(shape), "dtype": dt.replace("torch.", ""), "bias": bias, "modules": len(names),
                                      "probed_on": names[0], "outputs_compared": {str(m): n for m, (_, n) in res.items()},
                                      "differing": differing})
             if any(differing.values()):
                 for n in names:
-                    set_rowwise(modules[n], rows)
+                    set_rowwise(modules[n], most)
                 worst = max(res, key=lambda m: res[m][0] / res[m][1])
                 rowwise["linears"].append({
                     "shape": list(shape), "modules": len(names), "example": names[0],
                     "why": f"probe: a {worst}-row call differs from {worst} one-row calls in {res[worst][0]:,} of "
                            f"{res[worst][1]:,} outputs"})
-    stages = [{"linears_rowwise": [r["example"] for r in rowwise["linears"]], **probe_end_to_end(model, rows, topk)}]
-    if not stages[-1]["exact"] and attention == "rowwise" and rows > 1:
+    stages = [{"linears_rowwise": ["x".join(map(str, r["shape"])) for r in rowwise["linears"]], **end_to_end()}]
+    if not stages[-1]["exact"] and attention == "rowwise" and sizes:
         # something the per-shape probe did not catch: fall back to every Linear row by row
         for names in groups.values():
             for n in names:
-                set_rowwise(modules[n], rows)
+                set_rowwise(modules[n], most)
         rowwise["all_linears"] = True
-        stages.append({"linears_rowwise": "all", **probe_end_to_end(model, rows, topk)})
+        stages.append({"linears_rowwise": "all", **end_to_end()})
     probe["end_to_end"] = stages
     probe["seconds"] = round(time.perf_counter() - t0, 2)
     return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "exact": bool(stages[-1]["exact"]),
