@@ -26,8 +26,9 @@ from vllm_helpers import make_random_draft, requires_vllm
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
 
 # Largest baseline logprob margin, at a divergence, that bf16 rounding explains: SmolLM2's logits are
-# ~10-30, where one bf16 step is 0.06-0.125, and batched vs one-row kernels moved logits by up to
-# 0.25 here (evaluate/exact.py); a real wiring bug parts at a clear winner (margins of whole nats).
+# ~8-32, where one bf16 step is 0.06-0.125, so a few steps of batch-dependent rounding fit in it; a
+# wiring bug parts at a clear winner (margins of whole nats).  Measured on an AMD EPYC without AMX:
+# one divergence in 4 generations, at an exact tie (margin 0.0).
 NEAR_TIE = 0.5
 
 PROMPTS = [
@@ -70,7 +71,7 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     # the in-process evaluator on the same draft and prompts: same report keys, same tau
     # (one short generation: the in-process decoder is slow on a busy 2-core machine)
     rh = evaluate(_args(smollm2, draft, bench, tmp_path / "hf.json", "hf", no_baseline=True, limit=1, max_new_tokens=16))
-    missing = set(rh) - set(rv) - {"device"}
+    missing = set(rh) - set(rv) - {"device", "verification"}  # verification: the in-process decoder's probe
     assert not missing, f"vLLM report lacks keys of the HF report: {sorted(missing)}"
     assert set(rh["per_prompt"][0]) <= set(rv["per_prompt"][0])
     assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])
