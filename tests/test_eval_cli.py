@@ -57,12 +57,42 @@ def test_eval_report_two_turns_limit(tiny_llama_dir, tiny_draft_dir, bench_file,
     assert r["n_prompts"] == 2 and r["turns"] == 2 and r["n_generations"] == 4
     assert [(p["id"], p["turn"]) for p in r["per_prompt"]] == [("7", 1), ("7", 2), ("8", 1), ("8", 2)]
     assert r["steps"] == 3 and r["topk"] == 1 and r["num_draft_tokens"] == 4 and r["batch_size"] == 1
-    assert r["greedy_matches_baseline"] is True
+    v = r["verification"]  # --attention auto on a CPU: the exact path, probed on this machine
+    assert v["attention"] == "rowwise" and v["dtype"] == "float32" and r["attention"] == "eaglenest_rowwise"
+    assert v["probe_result"]["rows_probed"] == [4] and v["probe_result"]["end_to_end"][0]["shapes"] == ["chain"]
+    flagged = {tuple(x["shape"]) for x in v["rowwise"]["linears"]}
+    assert flagged == {tuple(x["shape"]) for x in v["probe_result"]["linears"] if any(x["differing"].values())}
+    if v["exact"]:  # greedy equivalence is promised only where the probe found verification exact
+        assert r["greedy_matches_baseline"] is True
     assert r["tau"] >= 1.0 and len(r["accept_per_position"]) == 3
     assert r["generated_tokens"] == sum(p["generated_tokens"] for p in r["per_prompt"])
     assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
     assert {"platform", "cpu_count", "torch"} <= set(r["machine"])
-    assert "tau" in capsys.readouterr().out  # the summary table
+    table = capsys.readouterr().out  # the summary table
+    assert "tau" in table and "verification" in table and ("exact (probed)" in table) == v["exact"]
+
+
+def test_attention_default_is_device_aware(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
+    """Row-wise verification is a CPU exactness device: `--attention auto` (the default) resolves to
+    it on a CPU and to the model's own attention on a GPU; either can be forced."""
+    from eaglenest.cli import build_parser
+    from eaglenest.evaluate.exact import resolve_attention
+
+    a = build_parser().parse_args(["eval", "--model", "m", "--draft", "d", "--out", "o"])
+    assert a.attention == "auto"
+    assert resolve_attention("auto", "cpu") == "rowwise"
+    assert resolve_attention("auto", "cuda") == resolve_attention("auto", "cuda:1") == "model"
+    assert resolve_attention("rowwise", "cuda:0") == "rowwise" and resolve_attention("model", "cpu") == "model"
+    with pytest.raises(EaglenestError, match="--attention"):
+        resolve_attention("fast", "cpu")
+    # forced to the model's own attention on a CPU: nothing row-wise, exactness only probed
+    out = tmp_path / "model.json"
+    assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--limit", "1", "--attention", "model") == 0
+    r = json.loads(out.read_text())
+    v = r["verification"]
+    assert r["attention"] == "sdpa" and v["attention"] == "model"
+    assert v["rowwise"] == {"attention": None, "linears": [], "all_linears": False} and v["probe_result"]["linears"] is None
+    assert isinstance(v["exact"], bool) and len(v["probe_result"]["end_to_end"]) == 1
 
 
 def test_eval_tree_no_baseline(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
@@ -80,7 +110,9 @@ def test_eval_baseline_limit(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_pat
     r = json.loads(out.read_text())
     assert r["n_prompts"] == 3 and r["baseline_prompts"] == 1
     assert [("baseline_wall_s" in p) for p in r["per_prompt"]] == [True, False, False]
-    assert r["speedup"] > 0 and r["greedy_matches_baseline"] is True
+    assert r["speedup"] > 0
+    if r["verification"]["exact"]:
+        assert r["greedy_matches_baseline"] is True
 
 
 def test_eval_workers_decode_exactly_as_one_process(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
@@ -93,7 +125,10 @@ def test_eval_workers_decode_exactly_as_one_process(tiny_llama_dir, tiny_draft_d
     assert r2["workers"] == 2 and r1["workers"] == 1
     keys = ("id", "turn", "output_ids", "verify_steps", "accepted_per_position", "matches_baseline")
     assert [{k: p.get(k) for k in keys} for p in r2["per_prompt"]] == [{k: p.get(k) for k in keys} for p in r1["per_prompt"]]
-    assert r2["tau"] == r1["tau"] and r2["baseline_prompts"] == 2 and r2["greedy_matches_baseline"] is True
+    assert r2["tau"] == r1["tau"] and r2["baseline_prompts"] == 2
+    assert r2["verification"]["exact"] == r1["verification"]["exact"]  # each worker probed its own copy
+    if r2["verification"]["exact"]:
+        assert r2["greedy_matches_baseline"] is True
 
 
 def test_eval_worker_that_cannot_start_is_one_error(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path, capsys):

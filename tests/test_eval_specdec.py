@@ -1,5 +1,10 @@
 """Speculative decoding over the tiny random Llama: greedy equivalence, tau accounting, KV-cache
-cropping/gathering, the tree proposal and the draft cache against slow recomputations."""
+cropping/gathering, the tree proposal and the draft cache against slow recomputations; the
+exact-verification probe (evaluate/exact.py) on a kernel made batch-dependent in-process.
+
+Greedy equivalence is asserted only where exact.prepare's probe found verification bit-identical
+to plain decoding on this machine (the exact_tiny / tiny_bf16_exact fixtures skip, naming the
+difference, where it did not); tests that compare with a tolerance use the model either way."""
 
 from __future__ import annotations
 
@@ -7,17 +12,36 @@ import pytest
 import torch
 from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
 
+from eaglenest.evaluate import exact
 from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [[1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253], [1, 42], list(range(1, 40, 3))]
 N_NEW = 24
+ROWS = [4, 7, 12]  # the verification sizes whose exactness the tests below rely on
+
+
+def _require_exact(v: dict) -> None:
+    if not v["exact"]:
+        pytest.skip(f"verification is not bit-identical on this machine: {v['probe_result']['end_to_end'][-1]['first_difference']}")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_tiny(tiny_llama_dir)  # fp32, re-drawn with a larger std: varied greedy outputs
+def tiny_verified(tiny_llama_dir):
+    m = load_tiny(tiny_llama_dir)  # fp32, re-drawn with a larger std: varied greedy outputs
+    return m, exact.prepare(m, rows=ROWS, topk=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_verified):
+    return tiny_verified[0]
+
+
+@pytest.fixture
+def exact_tiny(tiny_verified):
+    _require_exact(tiny_verified[1])
+    return tiny_verified[0]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +60,7 @@ def test_reference_is_not_degenerate(references):
 
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (3, 7), (4, 12)])
-def test_greedy_equals_plain_with_random_draft(tiny, draft, references, topk, ndt):
+def test_greedy_equals_plain_with_random_draft(exact_tiny, tiny, draft, references, topk, ndt):
     with SpecDecoder(tiny, draft, set(), steps=3, topk=topk, num_draft_tokens=ndt) as sd:
         for p, ref in zip(PROMPTS, references):
             r = sd.generate(p, N_NEW)
@@ -45,7 +69,7 @@ def test_greedy_equals_plain_with_random_draft(tiny, draft, references, topk, nd
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_rigged_draft_accepts_many_and_stays_exact(tiny, draft, references, kind):
+def test_rigged_draft_accepts_many_and_stays_exact(exact_tiny, tiny, draft, references, kind):
     steps = 3
     with SpecDecoder(tiny, draft, set(), steps=steps, topk=1 if kind == "chain" else 2, num_draft_tokens=None if kind == "chain" else 7) as sd:
         for p, ref in zip(PROMPTS, references):
@@ -60,7 +84,7 @@ def test_rigged_draft_accepts_many_and_stays_exact(tiny, draft, references, kind
             assert r.accepted_per_position[0] == r.verify_steps
 
 
-def test_tau_accounting_exact(tiny, draft, references):
+def test_tau_accounting_exact(exact_tiny, tiny, draft, references):
     steps = 3
     p, ref = PROMPTS[0], references[0]
     n = 1 + 5 * (steps + 1)  # prefill token + 5 full rounds: no truncation at the end
@@ -77,7 +101,7 @@ def test_tau_accounting_exact(tiny, draft, references):
         assert wrong.accepted_per_position == [0, 0, 0]
 
 
-def test_stops_at_eos(tiny, draft, references):
+def test_stops_at_eos(exact_tiny, tiny, draft, references):
     p, ref = PROMPTS[0], references[0]
     eos = ref[5]  # pretend the 6th greedy token ends the answer
     with SpecDecoder(tiny, draft, {eos}, steps=3) as sd:
@@ -163,43 +187,41 @@ def test_num_draft_tokens_rules():
         resolve_num_draft_tokens(2, 4, 22)
 
 
-def _bf16_linear_row_invariant() -> bool:
-    """Does this CPU's bf16 GEMM give row i the same bits whatever the number of rows (<= 8)?"""
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(256, 64, generator=g) * 0.1).bfloat16()
-    x = torch.randn(8, 64, generator=g).bfloat16()
-    one = torch.cat([torch.nn.functional.linear(x[i : i + 1], w) for i in range(8)])
-    return all(torch.equal(torch.nn.functional.linear(x[:m], w), one[:m]) for m in (2, 4, 8))
-
-
 @pytest.fixture(scope="module")
-def tiny_bf16_rowwise(tiny_llama_dir):
-    from eaglenest.evaluate import exact_attention
-
-    if not _bf16_linear_row_invariant():
-        pytest.skip("bf16 GEMM on this CPU is not row-invariant: exact bf16 equivalence cannot hold")
+def tiny_bf16_verified(tiny_llama_dir):
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    exact_attention.install(m)
+    return m, exact.prepare(m, rows=[4, 7], topk=2)
+
+
+@pytest.fixture
+def tiny_bf16_exact(tiny_bf16_verified):
+    m, v = tiny_bf16_verified
+    assert v["rowwise"]["attention"] and v["dtype"] == "bfloat16"
+    _require_exact(v)
     return m
 
 
-def test_rowwise_attention_makes_chunks_bit_identical(tiny_bf16_rowwise):
-    """Feeding 4 tokens at once gives the same logits bits as feeding them one by one."""
+def _chunk_and_one_by_one(m, more: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of `more` fed after a prompt one token at a time, and in one forward."""
     from eaglenest.evaluate.specdec import _new_cache
 
-    m = tiny_bf16_rowwise
-    prompt, more = torch.tensor([PROMPTS[3]]), torch.tensor([[700, 800, 900, 1000]])
+    prompt, more_t = torch.tensor([PROMPTS[3]]), torch.tensor([more])
     with torch.inference_mode():
-        c1, c4 = _new_cache(m), _new_cache(m)
+        c1, ck = _new_cache(m), _new_cache(m)
         m(input_ids=prompt, past_key_values=c1, use_cache=True)
-        m(input_ids=prompt, past_key_values=c4, use_cache=True)
-        one = torch.cat([m(input_ids=more[:, i : i + 1], past_key_values=c1, use_cache=True).logits for i in range(4)], 1)
-        four = m(input_ids=more, past_key_values=c4, use_cache=True).logits
-    assert torch.equal(one, four)
+        m(input_ids=prompt, past_key_values=ck, use_cache=True)
+        one = torch.cat([m(input_ids=more_t[:, i : i + 1], past_key_values=c1, use_cache=True).logits for i in range(len(more))], 1)
+        chunk = m(input_ids=more_t, past_key_values=ck, use_cache=True).logits
+    return one, chunk
 
 
-def test_bf16_spec_equals_plain_exactly(tiny_bf16_rowwise):
-    m = tiny_bf16_rowwise
+def test_rowwise_verification_makes_chunks_bit_identical(tiny_bf16_exact):
+    """Feeding 4 tokens at once gives the same logits bits as feeding them one by one."""
+    one, chunk = _chunk_and_one_by_one(tiny_bf16_exact, [700, 800, 900, 1000])
+    assert torch.equal(one, chunk)
+
+
+def _spec_equals_plain(m, chain_only: bool = False) -> None:
     d = random_draft(m, draft_vocab=4096)
     for p in PROMPTS:
         ref = plain_greedy(m, p, N_NEW)
@@ -208,8 +230,57 @@ def test_bf16_spec_equals_plain_exactly(tiny_bf16_rowwise):
             sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
             r = sd.generate(p, N_NEW)
             assert r.output_ids == ref and r.tau > 3
+        if chain_only:
+            continue
         with SpecDecoder(m, d, set(), steps=3, topk=2, num_draft_tokens=7) as sd:
             assert sd.generate(p, N_NEW).output_ids == ref
             sd.propose = oracle_tree(p + ref, len(p), 3).__get__(sd)
             r = sd.generate(p, N_NEW)
             assert r.output_ids == ref and r.tau > 3
+
+
+def test_bf16_spec_equals_plain_exactly(tiny_bf16_exact):
+    _spec_equals_plain(tiny_bf16_exact)
+
+
+def _batch_dependent_linear(shape: tuple[int, int]):
+    """F.linear as a CPU whose batched kernel for `shape` splits K in two and adds the halves in the
+    output dtype (what some blocked GEMMs do), while one-row calls go straight through."""
+    native = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        if x.numel() // x.shape[-1] > 1 and tuple(w.shape) == shape:
+            h = x.shape[-1] // 2
+            return native(x[..., :h], w[:, :h], b) + native(x[..., h:], w[:, h:])
+        return native(x, w, b)
+
+    return linear
+
+
+def test_probe_finds_a_batch_dependent_linear_and_rowwise_restores_identity(tiny_llama_dir, monkeypatch):
+    """With down_proj's batched kernel made M-dependent in-process: the end-to-end probe sees a
+    verification forward differ from plain decoding, the per-shape probe names that shape, only
+    the shapes it found batch-dependent run row by row, and verification is bit-identical again."""
+    ref_model = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    down = tuple(ref_model.model.layers[0].mlp.down_proj.weight.shape)
+    monkeypatch.setattr(torch.nn.functional, "linear", _batch_dependent_linear(down))
+
+    exact.install_rowwise_attention(ref_model, 4)  # the previous exact path: attention only
+    before = exact.probe_end_to_end(ref_model, 4)
+    assert not before["exact"] and "differ" in before["first_difference"]
+    one, chunk = _chunk_and_one_by_one(ref_model, [700, 800, 900, 1000])
+    assert not torch.equal(one, chunk)
+
+    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    v = exact.prepare(m, rows=4)
+    probed = {tuple(x["shape"]): x for x in v["probe_result"]["linears"]}
+    flagged = {tuple(x["shape"]) for x in v["rowwise"]["linears"]}
+    assert down in flagged and sum(probed[down]["differing"].values()) > 1000, probed[down]
+    assert flagged == {s for s, x in probed.items() if any(x["differing"].values())}
+    for (shape, *_), names in exact.linear_groups(m).items():  # batched where the probe found it exact
+        for n in names:
+            assert ("forward" in m.get_submodule(n).__dict__) == (shape in flagged or v["rowwise"]["all_linears"]), n
+    assert v["exact"] is True, v["probe_result"]["end_to_end"]
+    one, chunk = _chunk_and_one_by_one(m, [700, 800, 900, 1000])
+    assert torch.equal(one, chunk)
+    _spec_equals_plain(m, chain_only=True)

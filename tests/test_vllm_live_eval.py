@@ -3,7 +3,10 @@ reports tau from /metrics with the in-process evaluator's report keys.
 
 Until a trained draft is given, a random-init draft exported with `save_draft` is served: it must
 load (sharing the target's embeddings), its acceptance is ~0 (tau ~1.0, the same as the
-in-process evaluator measures on it), and greedy outputs must equal the non-speculative server's.
+in-process evaluator measures on it), and its greedy outputs must agree with the non-speculative
+server's as far as bf16 allows: vLLM verifies 4 tokens in one batched forward, which on some CPUs
+(an AMD EPYC without AMX) is not bit-identical to decoding them one by one, so a generation may
+part from the baseline -- but only at a token where the baseline's top-2 logprobs nearly tie.
 The demo's trained draft (the session's `demo --quick` run, or EAGLENEST_VLLM_AGREEMENT_DRAFT=DIR)
 must be accepted by vLLM exactly as by our decoder in fp32 (prompt by prompt) and within 5 % in
 bf16 (3 steps, greedy, the same MT-bench prompts).
@@ -21,6 +24,12 @@ import pytest
 from vllm_helpers import make_random_draft, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
+
+# Largest baseline logprob margin, at a divergence, that bf16 rounding explains: SmolLM2's logits are
+# ~8-32, where one bf16 step is 0.06-0.125, so a few steps of batch-dependent rounding fit in it; a
+# wiring bug parts at a clear winner (margins of whole nats).  Measured on an AMD EPYC without AMX:
+# one divergence in 4 generations, at an exact tie (margin 0.0).
+NEAR_TIE = 0.5
 
 PROMPTS = [
     {"question_id": "q1", "turns": ["What is the capital of France?", "And of Italy?"]},
@@ -53,7 +62,7 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     print("vllm report:", json.dumps({k: v for k, v in rv.items() if k not in ("per_prompt", "machine")}))
     assert rv["engine"] == "vllm" and rv["n_generations"] == 4 and rv["verify_steps"] > 0
     assert rv["tau"] is not None and 1.0 <= rv["tau"] < 1.1, "a random draft is (almost) never accepted"
-    assert rv["greedy_matches_baseline"] is True, rv["greedy_mismatches"]
+    assert_bf16_greedy_agreement(rv)
     assert rv["vllm_draft_shares_target_embeddings"] is True
     assert rv["vllm_unaccounted_tokens"] == 0
     log = (tmp_path / "logs" / "spec" / "server.log").read_text()
@@ -62,10 +71,26 @@ def test_serve_random_draft(smollm2, bench, tmp_path):
     # the in-process evaluator on the same draft and prompts: same report keys, same tau
     # (one short generation: the in-process decoder is slow on a busy 2-core machine)
     rh = evaluate(_args(smollm2, draft, bench, tmp_path / "hf.json", "hf", no_baseline=True, limit=1, max_new_tokens=16))
-    missing = set(rh) - set(rv) - {"device"}
+    missing = set(rh) - set(rv) - {"device", "verification"}  # verification: the in-process decoder's probe
     assert not missing, f"vLLM report lacks keys of the HF report: {sorted(missing)}"
     assert set(rh["per_prompt"][0]) <= set(rv["per_prompt"][0])
     assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])
+
+
+def assert_bf16_greedy_agreement(r: dict) -> None:
+    """Every greedy generation equals the baseline's, or parts from it at a near-tie of the
+    baseline's own top-2 (a later turn may then differ from its prompt on)."""
+    mm = r.get("greedy_mismatches") or []
+    parted = set()
+    for m in mm:
+        print(f"greedy divergence: prompt {m['id']} turn {m['turn']} at {m['where']}: "
+              f"logprob gap {m.get('logprob_gap')} top-2 {m.get('baseline_top_logprobs')}")
+        if m["where"].startswith("prompt"):
+            assert (m["id"], m["turn"] - 1) in parted, m  # only after an earlier turn parted
+        else:
+            assert m["logprob_gap"] is not None and 0 <= m["logprob_gap"] <= NEAR_TIE, m
+        parted.add((m["id"], m["turn"]))
+    assert r["greedy_matches_baseline"] is (not mm)
 
 
 def _same_text(rv: dict, rh: dict) -> list[tuple[dict, dict]]:
@@ -83,7 +108,9 @@ def test_tau_agreement_with_the_demo_draft(smollm2, quick_demo, tmp_path):
     prompts identical, per-position counts equal).  bf16 is what users run: the tau values must
     agree within 5 %.  Measured here with the quick draft, 10 prompts x 64 tokens: fp32 vLLM 1.113,
     ours 1.113, 10/10 texts identical; bf16 vLLM 1.101, ours 1.137 (3.2 %), 2/10 texts identical
-    (two bf16 implementations of the target greedy-decode different text)."""
+    (two bf16 implementations of the target greedy-decode different text).  On an AMD EPYC without
+    AMX, with our verification made exact by the probe (evaluate/exact.py; all Linears row-wise in
+    fp32 there): fp32 1.103 both, 10/10 identical; bf16 vLLM 1.103, ours 1.114 (1.0 %), 1/10."""
     from eaglenest.evaluate.run import evaluate
 
     draft = Path(os.environ.get("EAGLENEST_VLLM_AGREEMENT_DRAFT") or quick_demo / "draft")

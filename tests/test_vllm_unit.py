@@ -411,3 +411,29 @@ def test_regenerate_stops_cleanly_when_max_length_leaves_no_room():
     # turn 1 fills the room (4 tokens: 2 + 4 = 6), the next user turn would not fit: it is not kept dangling
     assert row["input_ids"] == [1, 50, 80, 80, 80, EOT] and row["loss_mask"] == [0, 0, 1, 1, 1, 1]
     assert row["truncated"] and row["turns"] == 1 and len(eng.prompts) == 1
+
+
+def test_server_baseline_divergence_records_the_baseline_near_tie():
+    """A greedy mismatch against a server baseline carries the baseline's top logprobs at the first
+    differing token (vLLM's `return_tokens_as_token_ids` keys) and its margin over the spec's token."""
+    from eaglenest.evaluate.engine_vllm import top_logprobs
+    from eaglenest.evaluate.run import merge_server_baseline
+
+    choice = {"logprobs": {"top_logprobs": [{"token_id:5": -0.1, "token_id:9": -2.5},
+                                            {"token_id:7": -0.70, "token_id:8": -0.75}, None]}}
+    lps = top_logprobs(choice)
+    assert lps == [{5: -0.1, 9: -2.5}, {7: -0.70, 8: -0.75}, {}]
+
+    def rec(turn, prompt, out, **kw):
+        return {"id": "q", "turn": turn, "prompt_ids": prompt, "output_ids": out, "generated_tokens": len(out), "wall_s": 1.0, **kw}
+
+    spec = [rec(1, [1], [5, 8, 3]), rec(2, [1, 5, 8, 3], [4])]
+    base = [rec(1, [1], [5, 7, 3], top_logprobs=lps), rec(2, [1, 5, 7, 3], [4], top_logprobs=[{4: -0.01}])]
+    mm = merge_server_baseline(spec, base, greedy=True)
+    assert [m["where"] for m in mm] == ["token 1", "prompt (an earlier turn already differed)"]
+    assert mm[0]["position"] == 1 and mm[0]["spec"] == [8, 3] and mm[0]["baseline"] == [7, 3]
+    assert mm[0]["baseline_top_logprobs"] == {"7": -0.70, "8": -0.75} and abs(mm[0]["logprob_gap"] - 0.05) < 1e-9
+    assert [r["matches_baseline"] for r in spec] == [False, False]
+    # the spec's token outside the baseline's top logprobs: no margin to show
+    base[0]["top_logprobs"] = [{5: -0.1}, {7: -0.01}, {}]
+    assert merge_server_baseline(spec, base, greedy=True)[0]["logprob_gap"] is None

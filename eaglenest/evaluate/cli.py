@@ -34,9 +34,13 @@ def register(sub) -> None:
     p.add_argument("--engine", default="hf", choices=sorted(engine_evaluators()), help="which engine decodes")
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="target and draft dtype")
-    p.add_argument("--attention", default="rowwise", choices=["rowwise", "model"],
-                   help="hf engine: 'rowwise' computes each verified token's attention exactly as plain decoding "
-                   "does (bit-identical greedy outputs in bf16); 'model' keeps the model's own (SDPA)")
+    p.add_argument("--attention", default="auto", choices=["auto", "rowwise", "model"],
+                   help="hf engine: 'rowwise' makes verification forwards bit-identical to plain decoding: each "
+                   "verified token's attention is computed as plain decoding computes it, and the Linear shapes a "
+                   "set-up probe finds batch-dependent on this machine run row by row (the report's 'verification' "
+                   "block says which, and whether the probe passed); 'model' keeps the model's own attention and "
+                   "batched linears (faster; exactness only probed and reported); 'auto' = rowwise on a CPU, model "
+                   "on a GPU")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no equivalence check)")
     p.add_argument("--baseline-limit", type=int, default=None,

@@ -12,7 +12,10 @@
     d(accepted) (tokens emitted by verification forwards, the prefill's token excluded), which is
     exactly how the in-process evaluator counts.
   * Then the same server without speculation answers the same prompts; at temperature 0 the
-    outputs must be token-identical (`greedy_matches_baseline`).
+    outputs are compared token by token (`greedy_matches_baseline`).  vLLM verifies k tokens in
+    one batched bf16 forward, which is not bit-identical to decoding them one by one, so two
+    runs may part at a near-tie: the baseline asks for its top-2 logprobs, and each mismatch
+    records them at the first differing token (`baseline_top_logprobs`, `logprob_gap`).
 
 Options for this evaluator come as `--engine-arg KEY=VALUE`: python (the vLLM venv's python),
 startup_timeout (s), max_model_len, log_dir (keep the server logs there), server_arg (one extra
@@ -65,6 +68,12 @@ def settled_counters(client, steps: int, tries: int = 40) -> dict:
             return cur
         prev = cur
     return prev
+
+
+def top_logprobs(choice: dict) -> list[dict[int, float]]:
+    """A /v1/completions choice's `logprobs.top_logprobs` (keys "token_id:ID") -> [{id: logprob}]."""
+    rows = ((choice.get("logprobs") or {}).get("top_logprobs")) or []
+    return [{int(k.split(":", 1)[1]): float(v) for k, v in (row or {}).items() if k.startswith("token_id:")} for row in rows]
 
 
 def _target_config(path: Path):
@@ -123,12 +132,14 @@ def run_eval(args) -> dict:
             workdir=workdir / name, startup_timeout=startup,
         )
 
-    def ask(client: Client, model: str, ids: list[int]):
+    def ask(client: Client, model: str, ids: list[int], top: int = 0):
         room = min(a.max_new_tokens, max_len - len(ids))
         if room < 1:
             raise EaglenestError(f"a prompt of {len(ids)} tokens does not fit max_model_len {max_len}")
         payload = {"model": model, "prompt": ids, "max_tokens": room, "temperature": temp, "top_p": 1.0, "top_k": 0,
                    "seed": int(a.seed), "return_token_ids": True, "skip_special_tokens": False, "stop_token_ids": eos_list}
+        if top:  # per generated token, the top logprobs keyed "token_id:ID"
+            payload.update(logprobs=top, return_tokens_as_token_ids=True)
         t0 = time.perf_counter()
         try:
             resp = client.request("POST", "/v1/completions", payload, tag="eval")
@@ -139,20 +150,23 @@ def run_eval(args) -> dict:
         if ch.get("prompt_token_ids") != ids:
             raise EaglenestError("vLLM echoed other prompt ids than were sent (token_mismatch)")
         g = finish_generated("", ids, list(ch.get("token_ids") or []), ch.get("finish_reason"), ch.get("stop_reason"), eos_list)
-        return g, wall, resp.get("system_fingerprint")
+        return g, wall, resp.get("system_fingerprint"), top_logprobs(ch) if top else None
 
     def run_all(client: Client, spec: bool, desc: str) -> tuple[list[dict], str | None]:
         model = model_card(client, client.urls[0])["id"]
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
         ask(client, model, warm)  # warm-up: not timed, and the counters are snapshotted per request
         version = None
+        top = 2 if not spec and temp <= 0 else 0  # the greedy baseline: evidence for any near-tie divergence
 
         def answer(p, turn: int, ids: list[int]) -> dict:
             nonlocal version
             before = settled_counters(client, steps) if spec else None
-            g, wall, version = ask(client, model, ids)
+            g, wall, version, lps = ask(client, model, ids, top)
             rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
                    "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids)}
+            if lps is not None:
+                rec["top_logprobs"] = lps
             if spec:
                 after = settled_counters(client, steps)
                 d = after["drafts"] - before["drafts"]

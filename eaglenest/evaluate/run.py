@@ -21,8 +21,8 @@ from eaglenest import EaglenestError
 DTYPES = ("bf16", "fp32", "fp16")
 # bf16 is the default: on this AVX-512-BF16 CPU a bf16 forward of 4 tokens costs ~1.1x one of 1
 # token (fp32: ~1.7x), which is what verification needs, and it is the dtype engines serve in.
-# Greedy equivalence is judged against a baseline in the same dtype, and the row-wise attention
-# (exact_attention.py) makes it bit-exact in bf16.
+# Greedy equivalence is judged against a baseline in the same dtype; exact.py probes at set-up
+# whether verification is bit-identical to plain decoding on this machine and makes it so where not.
 DEFAULT_DTYPE = "bf16"
 
 
@@ -172,6 +172,7 @@ class HFEvaluator:
         that depend on what was loaded."""
         import torch
 
+        from eaglenest.evaluate import exact
         from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
         from eaglenest.models.target import load_target, load_tokenizer
         from eaglenest.utils import resolve_device
@@ -185,10 +186,13 @@ class HFEvaluator:
         tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.dtype]
         self.tok = tok = load_tokenizer(a.model, a.trust_remote_code)
         target = load_target(a.model, a.dtype, device, a.trust_remote_code)
-        if getattr(a, "attention", "rowwise") == "rowwise":  # verification bit-identical to plain decoding (see exact_attention.py)
-            from eaglenest.evaluate import exact_attention
-
-            exact_attention.install(target)
+        # verification forwards bit-identical to plain decoding where this machine allows (exact.py)
+        attention = exact.resolve_attention(getattr(a, "attention", "auto"), device)
+        verification = exact.prepare(target, rows=ndt, topk=a.topk, attention=attention)
+        if not verification["exact"]:
+            print(f"eval: verification is not bit-identical to plain decoding on this machine "
+                  f"({verification['probe_result']['end_to_end'][-1]['first_difference']}): greedy outputs may "
+                  f"differ from plain greedy at near-ties", file=sys.stderr)
         draft = load_draft_for_target(a.draft, target, device, tdtype)
         self.eos = eos = eos_token_ids(target, tok)
         temp = float(a.temperature)
@@ -200,7 +204,7 @@ class HFEvaluator:
         if self.plain:
             self.plain.generate(warm, 8)
         return {"aux_ids": draft.cfg.aux_layer_ids, "draft_vocab": draft.cfg.draft_vocab_size, "device": device,
-                "attention": target.config._attn_implementation}
+                "attention": target.config._attn_implementation, "verification": verification}
 
     def conversation(self, n_done: int, p) -> tuple[list[dict], list[dict]]:
         """All turns of one benchmark conversation: (records, greedy mismatches)."""
@@ -297,7 +301,7 @@ class HFEvaluator:
 
         report = report_header("hf", a, dataset, len(prompts), records, steps=a.steps, topk=a.topk, ndt=ndt, path=path,
                                aux_ids=meta["aux_ids"], draft_vocab=meta["draft_vocab"], device=meta["device"],
-                               attention=meta["attention"], workers=workers)
+                               attention=meta["attention"], workers=workers, verification=meta["verification"])
         return finish_report(report, records, a.steps, mismatches if not a.no_baseline and float(a.temperature) <= 0 else None)
 
 
@@ -426,7 +430,8 @@ def merge_server_baseline(records: list[dict], base_records: list[dict] | None, 
             same = r["prompt_ids"] == b["prompt_ids"] and r["output_ids"] == b["output_ids"]
             r["matches_baseline"] = same
             if not same:
-                mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"], r["output_ids"], b["output_ids"]))
+                mismatches.append(_first_difference(r["id"], r["turn"], r["prompt_ids"], b["prompt_ids"], r["output_ids"],
+                                                    b["output_ids"], b.get("top_logprobs")))
     return mismatches if greedy else None
 
 
@@ -435,11 +440,20 @@ def _answer_text(tok, output_ids: list[int], eos: set[int]) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
-def _first_difference(pid, turn, ids, bids, out, bout) -> dict:
+def _first_difference(pid, turn, ids, bids, out, bout, base_top: list[dict] | None = None) -> dict:
+    """Where two greedy generations part.  With the baseline's top logprobs per token (a server
+    baseline), also those at that token and the baseline's margin over the speculative choice
+    (None if that choice is not among them): a small margin is a near-tie, which batched
+    verification in bf16 may resolve the other way."""
     if ids != bids:
         return {"id": pid, "turn": turn, "where": "prompt (an earlier turn already differed)"}
     i = next((k for k, (x, y) in enumerate(zip(out, bout)) if x != y), min(len(out), len(bout)))
-    return {"id": pid, "turn": turn, "where": f"token {i}", "spec": out[i : i + 4], "baseline": bout[i : i + 4]}
+    d = {"id": pid, "turn": turn, "where": f"token {i}", "position": i, "spec": out[i : i + 4], "baseline": bout[i : i + 4]}
+    if base_top is not None and i < min(len(out), len(bout)) and i < len(base_top):
+        top = base_top[i]
+        d["baseline_top_logprobs"] = {str(t): lp for t, lp in top.items()}
+        d["logprob_gap"] = top[bout[i]] - top[out[i]] if bout[i] in top and out[i] in top else None
+    return d
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,6 +497,10 @@ def format_table(r: dict) -> str:
         ("speedup", f(r.get("speedup"), ".2f", "x")),
         ("greedy output == baseline", "-" if match is None else ("yes" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ)")),
     ]
+    if "verification" in r:  # hf engine: how verification was made exact (or not), see exact.py
+        from eaglenest.evaluate.exact import summary
+
+        rows.append(("verification", summary(r["verification"])))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 

@@ -164,6 +164,20 @@ def _keep_cache_entries(cache, start: int, keep: list[int], total_new: int) -> N
         layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
 
 
+def tree_verify_inputs(Lt: int, parents: list[int], depths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids [1, n+1], 4-D bool mask [1, 1, n+1, Lt+n+1]) of a tree verification forward:
+    the root at position Lt, node i at Lt + depth; each row sees the prefix, its ancestors and itself."""
+    n = len(parents)
+    tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
+    tree[:, 0] = True
+    for i, p in enumerate(parents, start=1):
+        tree[i] = tree[p + 1]
+        tree[i, i] = True
+    mask = torch.cat([torch.ones(n + 1, Lt, dtype=torch.bool, device=device), tree], dim=1)
+    pos = torch.tensor([[Lt] + [Lt + d for d in depths]], device=device)
+    return pos, mask[None, None]
+
+
 def _first_stop(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bool]:
     """Truncate new tokens at the first eos (kept) and at `room` tokens; (kept, stopped_by_eos)."""
     for i, t in enumerate(tokens[:room]):
@@ -495,15 +509,8 @@ class SpecDecoder:
         if prop.is_chain:
             logits, aux = self._target_forward(ids, cache)  # causal mask made by transformers
         else:
-            # tree: root + nodes at position Lt + depth, each sees the prefix and its ancestors
-            tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=self.device)
-            tree[:, 0] = True
-            for i, p in enumerate(prop.parents, start=1):
-                tree[i] = tree[p + 1]
-                tree[i, i] = True
-            mask = torch.cat([torch.ones(n + 1, Lt, dtype=torch.bool, device=self.device), tree], dim=1)
-            pos = torch.tensor([[Lt] + [Lt + dd for dd in prop.depths]], device=self.device)
-            logits, aux = self._target_forward(ids, cache, position_ids=pos, mask=mask[None, None])
+            pos, mask = tree_verify_inputs(Lt, prop.parents, prop.depths, self.device)
+            logits, aux = self._target_forward(ids, cache, position_ids=pos, mask=mask)
         path, new = self._accept(prop, logits)
         res.verify_steps += 1
         for i in range(len(path) - 1):
