@@ -93,16 +93,13 @@ def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
 
 def check_draft_dir(draft_dir, target_config) -> None:
     """Check a draft directory's config against the target's config (before loading any weights)."""
-    from eaglenest.export.format import read_draft_config
+    from eaglenest.export.format import read_draft_config, resolve_aux_layers
 
     draft_dir = Path(draft_dir)
     if not (draft_dir / "config.json").exists():
         raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
-    _, cfg = read_draft_config(draft_dir)
-    if not cfg.aux_layer_ids:  # canonical ids are omitted from the checkpoint; load_draft fills them
-        from eaglenest.capture.layers import default_layer_ids
-
-        cfg.aux_layer_ids = default_layer_ids(target_config.num_hidden_layers)
+    raw, cfg = read_draft_config(draft_dir)
+    resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)  # ids omitted or in another trainer's form
     check_draft_fits(cfg, target_config, where=f"draft {draft_dir}")
 
 
@@ -172,8 +169,8 @@ class HFEvaluator:
         that depend on what was loaded."""
         import torch
 
-        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
-        from eaglenest.models.target import load_target, load_tokenizer
+        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+        from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
         from eaglenest.utils import resolve_device
 
         a = self.args
@@ -190,7 +187,7 @@ class HFEvaluator:
 
             exact_attention.install(target)
         draft = load_draft_for_target(a.draft, target, device, tdtype)
-        self.eos = eos = eos_token_ids(target, tok)
+        self.eos = eos = set(eos_token_ids(resolve_model_path(a.model), tok))
         temp = float(a.temperature)
         self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
         self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)

@@ -48,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--recompute", default=d.recompute, choices=["auto", "none", "layer"],
                    help="activation checkpointing of each TTT step (auto: on CUDA when activations would not fit)")
     p.add_argument("--logits-chunk", type=int, default=d.logits_chunk, help="rows of draft logits alive at once (0: auto)")
+    from eaglenest.draft import shape
+
+    shape.add_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -74,6 +77,9 @@ def config_from_args(args) -> "TrainConfig":  # noqa: F821
         # a flag given on the command line (differs from its default) wins over the YAML file
         if v is not None and (k not in values or v != getattr(defaults, k)):
             values[k] = v
+    from eaglenest.draft.shape import overrides_from_args
+
+    values["draft_shape"] = {**(values.get("draft_shape") or {}), **overrides_from_args(args)}
     cfg = TrainConfig(**values)
     for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len"):
         if getattr(cfg, name) <= 0:

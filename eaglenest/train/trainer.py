@@ -61,6 +61,7 @@ class TrainConfig:
     attn_impl: str = "auto"  # auto: flex on CUDA, eager on CPU; or eager | chunked | flex (same function)
     recompute: str = "auto"  # activation checkpointing per TTT step: auto (CUDA, when the activations would not fit) | none | layer
     logits_chunk: int = 0  # rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)
+    draft_shape: dict = field(default_factory=dict)  # draft layer overrides (draft/shape.py FLAGS): heads, kv heads, head_dim, MLP
     extra: dict = field(default_factory=dict)
 
 
@@ -112,7 +113,8 @@ def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        from eaglenest.models.target import load_config, target_fingerprint
+        from eaglenest.draft.shape import describe, draft_shape
+        from eaglenest.models.target import eos_token_ids, load_config, resolve_model_path, target_facts, target_fingerprint
         from eaglenest.models.weights import target_head
         from eaglenest.utils import resolve_device
 
@@ -147,12 +149,13 @@ class Trainer:
             v = load_file(str(vocab_path))
             d2t, t2d = v["d2t"], v["t2d"]
         else:
-            eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
             self.counts = vocab_counts(self.store, tcfg.vocab_size)
-            d2t, t2d = build_vocab(self.counts, cfg.draft_vocab, always=[e for e in eos if e is not None])
+            d2t, t2d = build_vocab(self.counts, cfg.draft_vocab, always=eos_token_ids(resolve_model_path(cfg.model)))
         rows = draft_ids_to_target(d2t)
 
-        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids)
+        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape)
+        if self.rank == 0:
+            print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape), target_facts(tcfg)), file=sys.stderr)
         torch.manual_seed(cfg.seed)
         self.model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
         self._init_weights(head, rows, cfg.init_head)
@@ -166,7 +169,8 @@ class Trainer:
         teacher_dtype = torch.bfloat16 if self.autocast else torch.float32
         self.teacher = Teacher(
             norm_weight=head["norm"].float() if meta.final_norm == "pre" else None,
-            norm_eps=tcfg.rms_norm_eps,
+            norm_eps=head["norm_eps"],
+            logit_softcap=head["logit_softcap"],
             lm_head=head["lm_head"].to(teacher_dtype),  # bf16 on CUDA: no resident fp32 copy (2 GB at 8B)
             draft_rows=rows,
             t2d=t2d,
