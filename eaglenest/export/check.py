@@ -24,8 +24,8 @@ from eaglenest.export.layer_ids import ENGINES, engine_capture, rule_text, train
 CONSUMERS = (*ENGINES, "hf")
 ARCHITECTURES = {  # draft architectures each engine's registry resolves (llama_eagle3.py in both)
     "sglang": {"LlamaForCausalLMEagle3"},
-    "vllm": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"},
-    "hf": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"},
+    "vllm": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+    "hf": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
 }
 
 
@@ -55,20 +55,37 @@ class Report:
 def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained: list[int] | None = None) -> Report:
     """Everything check-draft knows about a draft, per consumer.  `trained` (capture-before ids)
     overrides the layers read from the config (see export/layer_ids.py `trained_layers`)."""
-    draft_dir = Path(draft_dir)
-    r = Report()
     raw, cfg = read_draft_config(draft_dir)
+    return judge(raw, cfg, read_draft_tensors(draft_dir), model, trained)
+
+
+def judge(raw: dict, cfg, tensors: dict, model=None, trained: list[int] | None = None) -> Report:
+    """`judge_draft` on a config and its tensors; meta tensors (a draft too big to write, e.g. the
+    Kimi-K2.5 shape in a test) get the shape and dtype checks only.  `model`: a target directory,
+    known name or config dict."""
+    r = Report()
     flat = flat_config(raw)
     ours = "eaglenest" in raw
     arch = (raw.get("architectures") or [None])[0]
-    for c in CONSUMERS:
-        if arch not in ARCHITECTURES[c]:
-            r.error(f"config.json: architectures {raw.get('architectures')!r}: not a draft class this consumer loads "
-                    f"(expected {' or '.join(sorted(ARCHITECTURES[c]))})", [c])
-    if raw.get("speculators_model_type") == "eagle3":
+    if "speculators_model_type" in raw:
+        # vLLM builds the draft from speculators_model_type + transformer_layer_config, whatever
+        # `architectures` says (transformers_utils/configs/speculators/algos.py: llama or qwen3 layers)
         r.notes.append("speculators format (layers.0.* + transformer_layer_config)")
-    elif raw.get("model_type") != "llama":
-        r.error(f"config.json: model_type is {raw.get('model_type')!r}, expected 'llama'")
+        if raw["speculators_model_type"] != "eagle3":
+            r.error(f"config.json: speculators_model_type {raw['speculators_model_type']!r} is not an EAGLE-3 draft")
+        r.error("the speculators format: SGLang 0.5.23 has no loader for it", ["sglang"])
+        layer = flat.get("model_type", "llama")
+        if layer not in ("llama", "qwen3"):
+            r.error(f"transformer_layer_config.model_type {layer!r}: vLLM 0.32 builds EAGLE-3 drafts from llama or qwen3 layers", ["vllm"])
+        if layer != "llama":
+            r.error(f"transformer_layer_config.model_type {layer!r}: eaglenest's decoder is a Llama layer", ["hf"])
+    else:
+        for c in CONSUMERS:
+            if arch not in ARCHITECTURES[c]:
+                r.error(f"config.json: architectures {raw.get('architectures')!r}: not a draft class this consumer loads "
+                        f"(expected {' or '.join(sorted(ARCHITECTURES[c]))})", [c])
+        if raw.get("model_type") != "llama":
+            r.error(f"config.json: model_type is {raw.get('model_type')!r}, expected 'llama'")
     if flat.get("num_hidden_layers", 1) != 1:
         r.error(f"config.json: num_hidden_layers is {flat.get('num_hidden_layers')}: eaglenest checks and evaluates one-layer drafts")
     if flat.get("tie_word_embeddings"):
@@ -77,7 +94,8 @@ def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained:
         if key not in flat:
             r.error(f"config.json: missing {key}")
     if "draft_vocab_size" not in flat:
-        r.error("config.json: no draft_vocab_size: SGLang's llama_eagle3.py reads it (vLLM assumes the full vocabulary)", ["sglang"])
+        r.error("config.json: no draft_vocab_size: SGLang 0.5.23's llama_eagle3.py reads config.draft_vocab_size, which "
+                "transformers' LlamaConfig does not default (vLLM assumes the full vocabulary)", ["sglang"])
     if flat.get("norm_before_residual"):
         r.error("norm_before_residual is true: SGLang 0.5.23's draft layer has no such variant and would compute another function", ["sglang"])
     for k in UNSUPPORTED_FLAGS:
@@ -86,7 +104,6 @@ def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained:
             if k == "use_aux_norm":
                 r.error("use_aux_norm is SGLang's spelling of fc_norm: vLLM 0.32 ignores it", ["vllm"])
 
-    tensors = read_draft_tensors(draft_dir)
     exp = expected_tensors(cfg)
     for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"}):
         r.error(f"model.safetensors: unexpected tensor {k}")
@@ -99,9 +116,9 @@ def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained:
             r.error(f"model.safetensors: {k} has shape {tuple(t.shape)}, expected {shape}")
         if t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point):
             r.error(f"model.safetensors: {k} has dtype {t.dtype}, expected {dtype}")
-        elif t.is_floating_point() and not torch.isfinite(t.float()).all():
+        elif t.is_floating_point() and not t.is_meta and not torch.isfinite(t.float()).all():
             r.error(f"model.safetensors: {k} contains NaN/Inf")
-    if cfg.draft_vocab_size < cfg.vocab_size and "d2t" in tensors and "t2d" in tensors:
+    if cfg.draft_vocab_size < cfg.vocab_size and "d2t" in tensors and "t2d" in tensors and not tensors["d2t"].is_meta:
         why = check_vocab(tensors["d2t"], tensors["t2d"])
         if why:
             r.error(f"vocabulary mapping: {why}")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest import EaglenestError
-from eaglenest.models.families import BY_MODEL_TYPE, FAMILIES, Family
-from eaglenest.utils import sha256_file, sha256_text
+from eaglenest.models.families import BY_MODEL_TYPE, Family
+from eaglenest.utils import sha256_text
 
 
 def resolve_model_path(model: str | Path) -> Path:
