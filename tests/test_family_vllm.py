@@ -6,9 +6,9 @@
 * Live: vLLM captures the tiny DeepSeek-V3 (MLA + MoE) target's states on CPU, equal to HF's.
 * Live: vLLM's EAGLE-3 loader takes a draft of the MLA default shape (head_dim = v_head_dim, which
   is not hidden / heads; KV heads = heads; Kimi-K2.5's YaRN rope; full vocabulary, so no d2t) and
-  serves it with greedy output unchanged.  It is served on the tiny Llama target: vLLM 0.32 on CPU
-  cannot run an EAGLE-3 draft next to an MLA target ("No common block size for 16 (CPU_MLA: [16];
-  CPU_ATTN: [MultipleOf(32)])", docs/vllm.md).
+  serves it with greedy output unchanged.  It is served next to a tiny Llama target with that rope:
+  vLLM 0.32 on CPU cannot run an EAGLE-3 draft next to an MLA target ("No common block size for 16
+  (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -87,11 +87,16 @@ def test_vllm_captures_the_mla_target_like_hf(tmp_path, smollm2):
 
 
 @pytest.mark.slow
-def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2, tiny_llama_dir):
+def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2):
+    """The draft shape eaglenest picks for an MLA target -- head_dim (32) that is not hidden / heads
+    (16), KV heads = heads, Kimi-K2.5's YaRN rope (factor 64, original 4096, theta 50000), the full
+    vocabulary (no d2t) -- served by vLLM next to a tiny Llama target carrying the same rope (vLLM's
+    CPU attention takes head_dim 32, not the tiny test Llama's 16)."""
     import argparse
 
     import torch
     from safetensors import safe_open
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from eaglenest.capture.layers import default_layer_ids
     from eaglenest.draft.model import DraftConfig, Eagle3Draft
@@ -99,11 +104,18 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2, ti
     from eaglenest.export.format import save_draft
     from eaglenest.models.target import load_config
 
-    kimi_rope = {"type": "yarn", **{k: v for k, v in KIMI_K25_TEXT["rope_scaling"].items() if k != "type"}}
-    target = tiny_deepseek(tmp_path / "dsv3", smollm2, rope=kimi_rope)
-    cfg = DraftConfig.from_target(load_config(target), 49152, default_layer_ids(8))
-    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rope_parameters["factor"]) == (32, 4, 64.0)
+    rope = {"rope_type": "yarn", "rope_theta": 50000.0,
+            **{k: v for k, v in KIMI_K25_TEXT["rope_scaling"].items() if k != "type"}}
+    target = tmp_path / "llama_yarn"
     torch.manual_seed(0)
+    tcfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, vocab_size=49152, max_position_embeddings=262144, rms_norm_eps=1e-5, rope_parameters=rope,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(tcfg).save_pretrained(target)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(target)
+    mla_defaults = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32}  # as draft/shape.py picks for MLA
+    cfg = DraftConfig.from_target(load_config(target), 49152, default_layer_ids(8), shape=mla_defaults)
+    assert (cfg.head_dim * cfg.num_attention_heads, cfg.hidden_size, cfg.rope_parameters["factor"]) == (128, 64, 64.0)
     d = Eagle3Draft(cfg)
     for m in d.modules():
         if isinstance(m, torch.nn.Linear):
@@ -113,11 +125,11 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2, ti
         assert not {"d2t", "t2d"} & set(f.keys())  # a full vocabulary: vLLM has no parameter for a d2t
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps({"question_id": "q1", "prompt": "Write a haiku about the sea."}) + "\n")
-    a = argparse.Namespace(model=str(tiny_llama_dir), draft=str(draft), out=str(tmp_path / "r.json"), bench=str(bench), limit=None,
+    a = argparse.Namespace(model=str(target), draft=str(draft), out=str(tmp_path / "r.json"), bench=str(bench), limit=None,
                            turns=1, steps=3, topk=1, num_draft_tokens=None, temperature=0.0, max_new_tokens=24, engine="vllm",
                            device="cpu", dtype="bf16", seed=0, no_baseline=False, trust_remote_code=False,
                            engine_args={"log_dir": str(tmp_path / "logs")})
     r = evaluate(a)
     assert r["greedy_matches_baseline"] is True and r["verify_steps"] > 0, r.get("greedy_mismatches")
     log = (tmp_path / "logs" / "spec" / "server.log").read_text()
-    assert "LlamaForCausalLMEagle3" in log
+    assert "LlamaForCausalLMEagle3" in log and "Sharing target model embedding weights" in log

@@ -450,6 +450,10 @@ def evaluate(args) -> dict:
     evs = engine_evaluators()
     if args.engine not in evs:
         raise EaglenestError(f"unknown engine '{args.engine}' (available: {', '.join(sorted(evs))})")
+    from eaglenest.export.check import assert_draft_ok
+
+    for w in assert_draft_ok(args.draft, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
+        print(f"warning: {w}", file=sys.stderr)
     t0 = time.perf_counter()
     report = evs[args.engine](args)
     report.setdefault("engine", args.engine)

@@ -52,20 +52,21 @@ class Report:
         return not any(consumer in who for who, _ in self.problems)
 
 
-def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained: list[int] | None = None) -> Report:
+def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained: list[int] | None = None,
+                weights: bool = True) -> Report:
     """Everything check-draft knows about a draft, per consumer.  `trained` (capture-before ids)
-    overrides the layers read from the config (see export/layer_ids.py `trained_layers`)."""
+    overrides the layers read from the config (see export/layer_ids.py `trained_layers`);
+    `weights=False` judges config.json alone (what `eval` does before it starts an engine)."""
     raw, cfg = read_draft_config(draft_dir)
-    return judge(raw, cfg, read_draft_tensors(draft_dir), model, trained)
+    return judge(raw, cfg, read_draft_tensors(draft_dir) if weights else None, model, trained)
 
 
-def judge(raw: dict, cfg, tensors: dict, model=None, trained: list[int] | None = None) -> Report:
-    """`judge_draft` on a config and its tensors; meta tensors (a draft too big to write, e.g. the
-    Kimi-K2.5 shape in a test) get the shape and dtype checks only.  `model`: a target directory,
-    known name or config dict."""
+def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] | None = None) -> Report:
+    """`judge_draft` on a config and its tensors (None: the config alone); meta tensors (a draft too
+    big to write, e.g. the Kimi-K2.5 shape in a test) get the shape and dtype checks only.
+    `model`: a target directory, known name or config dict."""
     r = Report()
     flat = flat_config(raw)
-    ours = "eaglenest" in raw
     arch = (raw.get("architectures") or [None])[0]
     if "speculators_model_type" in raw:
         # vLLM builds the draft from speculators_model_type + transformer_layer_config, whatever
@@ -104,6 +105,14 @@ def judge(raw: dict, cfg, tensors: dict, model=None, trained: list[int] | None =
             if k == "use_aux_norm":
                 r.error("use_aux_norm is SGLang's spelling of fc_norm: vLLM 0.32 ignores it", ["vllm"])
 
+    if tensors is not None:
+        _judge_tensors(r, cfg, tensors)
+    if model is not None:
+        _judge_fit(r, raw, cfg, tensors or {}, model, trained, "eaglenest" in raw)
+    return r
+
+
+def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
     exp = expected_tensors(cfg)
     for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"}):
         r.error(f"model.safetensors: unexpected tensor {k}")
@@ -128,10 +137,6 @@ def judge(raw: dict, cfg, tensors: dict, model=None, trained: list[int] | None =
     if emb is not None and tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
         r.error(f"model.safetensors: embed_tokens.weight has shape {tuple(emb.shape)}, expected {(cfg.vocab_size, cfg.hidden_size)}")
 
-    if model is not None:
-        _judge_fit(r, raw, cfg, tensors, model, trained, ours)
-    return r
-
 
 def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: bool) -> None:
     from eaglenest.models.target import target_facts
@@ -139,9 +144,9 @@ def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: b
     t = target_facts(model)
     n = t.num_layers
     if cfg.target_hidden_size != t.hidden_size:
-        r.error(f"target_hidden_size {cfg.target_hidden_size} != target hidden_size {t.hidden_size}: this draft is for another target")
+        r.error(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {t.hidden_size}: this draft is for another target")
     if cfg.hidden_size != t.hidden_size:
-        r.error(f"hidden_size {cfg.hidden_size} != target hidden_size {t.hidden_size} (engines share the target's embeddings)")
+        r.error(f"draft hidden size {cfg.hidden_size} != target hidden size {t.hidden_size} (engines feed it the target's embeddings)")
     if cfg.vocab_size != t.vocab_size:
         r.error(f"vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}: this draft is for another tokenizer")
     if cfg.draft_vocab_size > t.vocab_size:
@@ -183,15 +188,16 @@ def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: b
             r.error(f"would capture before layers {got}, the draft was trained on {ids} ({rule_text(e, t.architecture)})", [e])
 
 
-def check_draft(draft_dir: Path | str, model: str | Path | None = None, engines=CONSUMERS, trained=None) -> tuple[list[str], list[str]]:
+def check_draft(draft_dir: Path | str, model: str | Path | None = None, engines=CONSUMERS, trained=None,
+                weights: bool = True) -> tuple[list[str], list[str]]:
     """(errors for `engines`, warnings).  Problems that only affect other consumers are warnings."""
-    r = judge_draft(draft_dir, model, trained)
+    r = judge_draft(draft_dir, model, trained, weights)
     others = [c for c in CONSUMERS if c not in engines]
     return r.errors(engines), r.warnings + [f"(not checked for) {e}" for e in r.errors(others) if e not in r.errors(engines)]
 
 
-def assert_draft_ok(draft_dir, model=None, engines=CONSUMERS) -> list[str]:
-    errors, warnings = check_draft(draft_dir, model, engines)
+def assert_draft_ok(draft_dir, model=None, engines=CONSUMERS, weights: bool = True) -> list[str]:
+    errors, warnings = check_draft(draft_dir, model, engines, weights=weights)
     if errors:
         raise EaglenestError(f"{draft_dir}: {len(errors)} problem(s): " + "; ".join(errors))
     return warnings

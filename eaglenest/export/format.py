@@ -187,8 +187,11 @@ def read_draft_tensors(draft_dir: Path | str) -> dict[str, torch.Tensor]:
     path = Path(draft_dir) / "model.safetensors"
     if not path.exists():
         raise EaglenestError(f"{path} not found: not an exported draft")
-    with safe_open(str(path), framework="pt") as f:
-        return {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a torn or foreign file
+        raise EaglenestError(f"{path}: cannot read the weights ({type(e).__name__}: {e})") from None
 
 
 # config flags of other trainers' layer variants that eaglenest's decoder does not implement
