@@ -22,8 +22,10 @@ SPECFORGE_VERSION = "0.2.0"
 SPECULATORS_VERSION = "0.9.0"
 # what `import speculators` pulls in beyond torch/transformers/pydantic (its training-data code),
 # installed without dependencies next to it; none of it runs when a model is built and saved
-SPECULATORS_IMPORT_DEPS = ["openai", "sniffio", "jiter", "distro", "loguru", f"hs-connectors=={SPECULATORS_VERSION}",
-                           "datasets<=5.1.0", "dill", "multiprocess", "xxhash", "fsspec", "pandas"]
+# (versions pinned to those the tests were run with)
+DATASETS_DEPS = ["datasets==5.1.0", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0", "fsspec==2026.9.0", "pandas==3.1.1"]
+SPECULATORS_IMPORT_DEPS = ["openai==3.57.0", "sniffio==1.3.1", "jiter==0.19.0", "distro==1.9.0", "loguru==0.7.3",
+                           f"hs-connectors=={SPECULATORS_VERSION}", *DATASETS_DEPS]
 
 
 def _cache() -> Path:

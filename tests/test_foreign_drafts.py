@@ -20,11 +20,9 @@ import pytest
 import torch
 
 from eaglenest.cli import main
-from foreign import SPECFORGE_VERSION, SPECULATORS_IMPORT_DEPS, SPECULATORS_VERSION, run_python, site_with
+from foreign import DATASETS_DEPS, SPECFORGE_VERSION, SPECULATORS_IMPORT_DEPS, SPECULATORS_VERSION, run_python, site_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-
-DATASETS_DEPS = ["datasets<=5.1.0", "dill", "multiprocess", "xxhash", "fsspec", "pandas"]  # specforge.data imports datasets
 
 SPECFORGE = r"""
 import json, sys, torch
@@ -105,7 +103,7 @@ def token_counts(smol_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def specforge(tmp_path_factory, smollm2, token_counts):
-    site = site_with("specforge", SPECFORGE_VERSION, DATASETS_DEPS)
+    site = site_with("specforge", SPECFORGE_VERSION, DATASETS_DEPS)  # specforge.data imports datasets
 
     def make(name: str, eagle_ids="none", embed="target"):
         out = tmp_path_factory.mktemp("specforge") / name

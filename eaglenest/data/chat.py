@@ -60,6 +60,12 @@ class ChatEncoder:
         # a template that knows reasoning_content splits an inline <think> block off itself; so do we, first
         self._split_inline_think = "reasoning_content" in tokenizer.chat_template
         self.reasoning_turns = 0  # assistant turns whose rendered reasoning is under the mask
+        # a template without a generation prompt renders the same text with and without one
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            self._has_generation_prompt = self.render(probe, generation_prompt=True) != self.render(probe)
+        except ItemError:  # a template that refuses a lone user turn: turns start at their first piece
+            self._has_generation_prompt = False
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         try:
@@ -131,15 +137,13 @@ class ChatEncoder:
         """Where the model starts generating this turn: the end of the generation prompt rendered
         on the turns before, if `full` starts with it and it ends between the previous span and
         this turn's first piece; else None."""
-        if not before:
+        if not before or not self._has_generation_prompt:
             return None
         try:
             prompt = self.render(before, generation_prompt=True)
-            plain = self.render(before)
-        except ItemError:  # e.g. a template that refuses a conversation ending on a user turn
+        except ItemError:  # e.g. a template that refuses a conversation ending on an assistant turn
             return None
-        # a template without a generation prompt renders the same text twice: nothing to go by
-        if prompt == plain or not full.startswith(prompt) or not lo <= len(prompt) <= hi:
+        if not full.startswith(prompt) or not lo <= len(prompt) <= hi:
             return None
         return len(prompt)
 

@@ -200,10 +200,12 @@ def eos_token_ids(model_path: str | Path, tokenizer: Any = None) -> list[int]:
                 ids.append(x)
 
     for name in ("config.json", "generation_config.json"):
+        if not (path / name).exists():  # generation_config.json is optional
+            continue
         try:
             cfg = json.loads((path / name).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+        except json.JSONDecodeError as e:
+            raise EaglenestError(f"{path / name}: not valid JSON ({e})") from None
         add(cfg.get("eos_token_id"))
         add((cfg.get("text_config") or {}).get("eos_token_id"))
     if tokenizer is None and (path / "tokenizer_config.json").exists():
@@ -221,11 +223,13 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     mark = "EAGLENESTENDOFTURNPROBE"
+    from jinja2 import TemplateError
+
     try:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}], tokenize=False
         )
-    except Exception:  # a template that refuses this minimal chat has no end-of-turn we can find
+    except TemplateError:  # a template that refuses a user/assistant pair: no end-of-turn to read off it
         return None
     k = text.find(mark)
     if k < 0:
