@@ -5,7 +5,8 @@ Loading (by path or known short name), and the facts every stage needs, each dec
     logit soft-capping, from config.json (a multimodal checkpoint's `text_config`);
   * `decoder_layers`: the ModuleList of decoder layers of a loaded transformers model;
   * `eos_token_ids`: the stop ids, ONE rule for capture, regenerate, train and eval;
-  * `models/weights.py:target_head`: the teacher's embedding, final norm and head tensors.
+  * `final_norm`, `soft_cap` and `models/weights.py:target_head`: the teacher's final norm, logit
+    soft-capping, embedding and head tensors, per family.
 """
 
 from __future__ import annotations
@@ -176,6 +177,17 @@ def target_facts(model: str | Path | dict | Any) -> TargetFacts:
         logit_softcap=float(cap) if cap else None,
         config=text,
     )
+
+
+def final_norm(h, weight, eps: float):
+    """The target's final RMS norm of a pre-norm state (vLLM's): x / rms(x) * `weight`, where
+    `weight` is target_head's multiplier (Gemma's 1 + w already added)."""
+    return h * h.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * weight
+
+
+def soft_cap(logits, cap: float | None):
+    """The target's tanh soft-capping of its final logits (Gemma 2); the identity when it has none."""
+    return logits if not cap else (logits / cap).tanh() * cap
 
 
 def decoder_layers(model) -> Any:

@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eaglenest.draft.model import Eagle3Draft
+from eaglenest.models.target import final_norm, soft_cap
 
 
 @dataclass
@@ -66,14 +67,12 @@ class Teacher:
         arg = torch.empty(N, dtype=torch.long, device=last_hidden.device) if argmax is None else argmax.to(last_hidden.device)
         for s in range(0, N, chunk):
             h = last_hidden[s : s + chunk].float()
-            if self.norm_weight is not None:  # the target's final norm; `norm_weight` is its multiplier (target_head)
-                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
+            if self.norm_weight is not None:  # a pre-norm state (vLLM's): the target's own final norm first
+                h = final_norm(h, self.norm_weight.float(), self.norm_eps)
             h = h.to(self.matmul_dtype)
             if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide); soft-capping is monotone
                 arg[s : s + chunk] = (h @ W.T).max(-1).indices
-            z = (h @ Wd.T).float()
-            if self.logit_softcap:
-                z = torch.tanh(z / self.logit_softcap) * self.logit_softcap
+            z = soft_cap((h @ Wd.T).float(), self.logit_softcap)
             probs[s : s + chunk] = torch.softmax(z, dim=-1)  # once per batch, not per TTT step
         return probs, arg
 
