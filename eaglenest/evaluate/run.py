@@ -452,8 +452,9 @@ def evaluate(args) -> dict:
         raise EaglenestError(f"unknown engine '{args.engine}' (available: {', '.join(sorted(evs))})")
     from eaglenest.export.check import assert_draft_ok
 
-    for w in assert_draft_ok(args.draft, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
-        print(f"warning: {w}", file=sys.stderr)
+    if (Path(args.draft) / "config.json").exists():  # a server engine's draft may live on the server only
+        for w in assert_draft_ok(args.draft, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
+            print(f"warning: {w}", file=sys.stderr)
     t0 = time.perf_counter()
     report = evs[args.engine](args)
     report.setdefault("engine", args.engine)
