@@ -5,8 +5,9 @@ id k = the residual stream *entering* decoder layer k = HF `output_hidden_states
 (k = 0 is the embedding output, k = N the last layer's output before the final norm).
 The canonical EAGLE-3 ids are then `[2, N//2, N-3]` (vLLM, SGLang default, EAGLE reference).
 
-SpecForge/ModelOpt/SGLang's `eagle_config` use **output-of** ids: id k = output of layer k
-= HF `hidden_states[k+1]`; convert with `to_output_of` / `from_output_of`.
+SpecForge/ModelOpt use **output-of** ids: id k = output of layer k = HF `hidden_states[k+1]`;
+convert with `to_output_of` / `from_output_of`.  What each engine makes of the ids in a draft's
+config depends on the engine and on the target's class: export/layer_ids.py.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def register(sub) -> None:
         "prepare",
         help="tokenize conversations into a training data directory",
         description="Render each conversation with the target's own chat template, tokenize it, and mark "
-        "the loss mask: exactly the tokens of every assistant message plus its end-of-turn token. "
+        "the loss mask: exactly what the model generates in every (or, --loss-on last, the last) assistant turn, as the "
+        "template renders it (its reasoning, if the template renders one, and its content), plus its end-of-turn token. "
         "Bad items are counted by reason and skipped (or stop the run with --strict). Writes parquet "
         "shards, token_counts.safetensors and meta.json (last) into DATA_DIR.",
         formatter_class=_HelpFormatter,
@@ -52,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first bad item with an error naming file:line")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="stop after N usable samples (default: all)")
     p.add_argument("--shard-size", type=_positive_int, default=DEFAULT_SHARD_SIZE, metavar="N", help="rows per parquet shard")
+    p.add_argument("--loss-on", choices=("all", "last"), default="all",
+                   help="assistant turns under the loss: every one, or only the last (recipes for thinking data); "
+                   "a turn's reasoning (reasoning_content / thinking) is masked as the template renders it")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the checkpoint")
     p.set_defaults(func=_run)
 
@@ -70,5 +74,6 @@ def _run(args) -> int:
         limit=args.limit,
         shard_size=args.shard_size,
         trust_remote_code=args.trust_remote_code,
+        loss_on=args.loss_on,
     )
     return 0

@@ -53,6 +53,7 @@ def prepare(
     trust_remote_code: bool = False,
     tokenizer: Any = None,
     verbose: bool = True,
+    loss_on: str = "all",
 ) -> dict[str, Any]:
     """Tokenize `data` with the target's chat template into `out`; returns the meta dict.
 
@@ -70,7 +71,7 @@ def prepare(
     sources = resolve_sources([str(d) for d in data])  # fail on a missing file before any work
     model_path = resolve_model_path(model)
     tok = tokenizer if tokenizer is not None else load_tokenizer(model_path, trust_remote_code)
-    encoder = ChatEncoder(tok)
+    encoder = ChatEncoder(tok, loss_on=loss_on)
     vocab_size = len(tok)
 
     failures = Failures(strict=strict)
@@ -139,12 +140,14 @@ def prepare(
             "tokenizer_fingerprint": tokenizer_fingerprint(tok),
             "template_fingerprint": template_fingerprint(tok),
             "max_length": max_length,
+            "loss_on": loss_on,
             "sources": source_meta,
             "failures": failures.summary(),
             "notes": {
                 "duplicate_id_renamed": ids.renamed,
                 "truncated": n_truncated,
                 "end_of_turn_tokens": dict(encoder.end_of_turn_tokens),
+                "turns_with_reasoning_masked": encoder.reasoning_turns,
             },
         }
     )

@@ -134,7 +134,7 @@ def _sharegpt_messages(value: dict) -> list[dict[str, str]]:
         content = turn[text_key]
         if not isinstance(content, str):
             raise ItemError("wrong_type", f"{where}.{text_key} must be a string, got {_type(content)}")
-        messages.append({"role": _role(turn[role_key], where), "content": _text(content, f"{where}.{text_key}")})
+        messages.append(_with_reasoning({"role": _role(turn[role_key], where), "content": _text(content, f"{where}.{text_key}")}, turn, where))
     return messages
 
 
@@ -146,8 +146,27 @@ def _openai_messages(value: dict) -> list[dict[str, str]]:
             raise ItemError("wrong_type", f"{where} must be an object, got {_type(msg)}")
         if "role" not in msg or "content" not in msg:
             raise ItemError("missing_field", f"{where} needs 'role' and 'content'")
-        messages.append({"role": _role(msg["role"], where), "content": _text(_content_text(msg["content"], where), where)})
+        messages.append(_with_reasoning({"role": _role(msg["role"], where), "content": _text(_content_text(msg["content"], where), where)}, msg, where))
     return messages
+
+
+# where chat data keeps an assistant turn's reasoning: DeepSeek / Qwen3 / vLLM `reasoning_content`,
+# OpenRouter-style `reasoning`, GPT-OSS-style `thinking`; carried as `reasoning_content` (data/chat.py
+# hands it to the template under the name the template reads)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _with_reasoning(message: dict, turn: dict, where: str) -> dict:
+    if message["role"] != "assistant":
+        return message
+    for key in REASONING_KEYS:
+        v = turn.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise ItemError("wrong_type", f"{where}.{key} must be a string, got {_type(v)}")
+        return {**message, "reasoning_content": _text(v, f"{where}.{key}")}
+    return message
 
 
 def _text(content: str, where: str) -> str:

@@ -57,34 +57,37 @@ class DraftConfig:
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    target_architecture: str | None = None  # the target's class: the engines' layer-id rules depend on it (export/layer_ids.py)
+    norm_before_residual: bool = False  # residual = hidden_norm(hidden): the speculators format's variant (vLLM only)
 
     @classmethod
-    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
-        """Copy the target's Llama fields (rope exactly as the target has it)."""
-        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
-        rope = getattr(tcfg, "rope_parameters", None)
-        if not rope:  # transformers < 5 style
-            rope = dict(getattr(tcfg, "rope_scaling", None) or {"rope_type": "default"})
-            rope["rope_theta"] = getattr(tcfg, "rope_theta", 10000.0)
-        rope = dict(rope)
-        rope.setdefault("rope_type", rope.pop("type", "default"))
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None) -> "DraftConfig":
+        """The target's hidden size, vocabulary and rope (exactly as the target has it); the layer's
+        heads / head_dim / MLP width per target family, with `shape` overrides (draft/shape.py)."""
+        from eaglenest.draft.shape import draft_shape
+        from eaglenest.models.target import target_facts
+
+        f = target_facts(tcfg)
+        s = draft_shape(f, shape)
+        get = tcfg.get if isinstance(tcfg, dict) else (lambda k, d=None: getattr(tcfg, k, d))
         return cls(
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
-            num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads),
-            head_dim=head_dim,
-            vocab_size=tcfg.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
-            target_hidden_size=tcfg.hidden_size,
+            hidden_size=f.hidden_size,
+            intermediate_size=s.intermediate_size,
+            num_attention_heads=s.num_attention_heads,
+            num_key_value_heads=s.num_key_value_heads,
+            head_dim=s.head_dim,
+            vocab_size=f.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, f.vocab_size),
+            target_hidden_size=f.hidden_size,
             aux_layer_ids=list(aux_layer_ids),
-            target_num_layers=tcfg.num_hidden_layers,
-            rms_norm_eps=tcfg.rms_norm_eps,
-            hidden_act=getattr(tcfg, "hidden_act", "silu"),
-            max_position_embeddings=tcfg.max_position_embeddings,
-            rope_parameters=rope,
-            bos_token_id=getattr(tcfg, "bos_token_id", None),
-            eos_token_id=getattr(tcfg, "eos_token_id", None),
+            target_num_layers=f.num_layers,
+            rms_norm_eps=f.rms_norm_eps,
+            hidden_act="silu",  # a Llama layer whatever the target: SGLang's LlamaMLP supports only silu
+            max_position_embeddings=f.max_position_embeddings,
+            rope_parameters=f.rope_parameters,
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=get("eos_token_id"),
+            target_architecture=f.architecture,
         )
 
     def to_dict(self) -> dict:
@@ -219,12 +222,14 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds, hidden, attend):
         """`attend(x) -> (attention output, own (K, V))`: the decoding or the training attention."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hn = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
         a, new_kv = attend(x)
-        h = hidden + a  # the residual is the un-normed hidden input (engines' default)
+        h = (hn if self.norm_before_residual else hidden) + a  # residual: the un-normed hidden input (engines' default)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
 

@@ -13,7 +13,7 @@ import torch
 
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request
-from eaglenest.models.target import load_target, resolve_model_path, target_fingerprint
+from eaglenest.models.target import decoder_layers, eos_token_ids, load_target, resolve_model_path, target_fingerprint
 
 NAME = "hf"
 
@@ -31,11 +31,6 @@ def create(args) -> "HFEngine":
         device=getattr(args, "device", "auto"),
         trust_remote_code=getattr(args, "trust_remote_code", False),
     )
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return base.layers
 
 
 class HFEngine(Engine):
@@ -128,8 +123,7 @@ class HFEngine(Engine):
     def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0, max_batch: int = 32):
         """Batched generation (left-padded, KV cache): our own loop, because transformers'
         `generate` ran ~20x slower than the plain forward on this CPU (bf16, padded batch)."""
-        eos = self.model.generation_config.eos_token_id
-        eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        eos = eos_token_ids(self.path)
         out: list[Generated | None] = [None] * len(batch)
         order = sorted(range(len(batch)), key=lambda i: len(batch[i].input_ids))  # similar lengths pad less
         g = torch.Generator(device=self.device).manual_seed(seed)

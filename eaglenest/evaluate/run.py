@@ -93,16 +93,13 @@ def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
 
 def check_draft_dir(draft_dir, target_config) -> None:
     """Check a draft directory's config against the target's config (before loading any weights)."""
-    from eaglenest.export.format import read_draft_config
+    from eaglenest.export.format import read_draft_config, resolve_aux_layers
 
     draft_dir = Path(draft_dir)
     if not (draft_dir / "config.json").exists():
         raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
-    _, cfg = read_draft_config(draft_dir)
-    if not cfg.aux_layer_ids:  # canonical ids are omitted from the checkpoint; load_draft fills them
-        from eaglenest.capture.layers import default_layer_ids
-
-        cfg.aux_layer_ids = default_layer_ids(target_config.num_hidden_layers)
+    raw, cfg = read_draft_config(draft_dir)
+    resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)  # ids omitted or in another trainer's form
     check_draft_fits(cfg, target_config, where=f"draft {draft_dir}")
 
 
@@ -173,8 +170,8 @@ class HFEvaluator:
         import torch
 
         from eaglenest.evaluate import exact
-        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, eos_token_ids, resolve_num_draft_tokens
-        from eaglenest.models.target import load_target, load_tokenizer
+        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+        from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
         from eaglenest.utils import resolve_device
 
         a = self.args
@@ -194,7 +191,7 @@ class HFEvaluator:
                   f"({verification['probe_result']['end_to_end'][-1]['first_difference']}): greedy outputs may "
                   f"differ from plain greedy at near-ties", file=sys.stderr)
         draft = load_draft_for_target(a.draft, target, device, tdtype)
-        self.eos = eos = eos_token_ids(target, tok)
+        self.eos = eos = set(eos_token_ids(resolve_model_path(a.model), tok))
         temp = float(a.temperature)
         self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
         self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
@@ -467,6 +464,11 @@ def evaluate(args) -> dict:
     evs = engine_evaluators()
     if args.engine not in evs:
         raise EaglenestError(f"unknown engine '{args.engine}' (available: {', '.join(sorted(evs))})")
+    from eaglenest.export.check import assert_draft_ok
+
+    if (Path(args.draft) / "config.json").exists():  # a server engine's draft may live on the server only
+        for w in assert_draft_ok(args.draft, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
+            print(f"warning: {w}", file=sys.stderr)
     t0 = time.perf_counter()
     report = evs[args.engine](args)
     report.setdefault("engine", args.engine)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglenest import EaglenestError
+from eaglenest.models.target import decoder_layers
 
 # ----------------------------------------------------------------------------------------------
 # results
@@ -111,36 +112,6 @@ def accept_among_candidates(p: torch.Tensor, candidates: list[int], generator=No
 
 # ----------------------------------------------------------------------------------------------
 # target-side helpers shared by both decoders
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return base.layers
-
-
-def eos_token_ids(model, tokenizer=None) -> set[int]:
-    """Every id that ends an answer: config/generation-config eos plus the tokenizer's eos and the
-    end-of-turn token of common chat templates when the vocabulary has it."""
-    ids: set[int] = set()
-
-    def add(v):
-        if v is None:
-            return
-        for x in v if isinstance(v, (list, tuple, set)) else [v]:
-            if x is not None and int(x) >= 0:
-                ids.add(int(x))
-
-    add(getattr(model.config, "eos_token_id", None))
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        add(getattr(gen, "eos_token_id", None))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-        vocab = tokenizer.get_vocab()
-        for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
-            if t in vocab:
-                add(vocab[t])
-    return ids
 
 
 def _new_cache(model):

@@ -1,7 +1,13 @@
-"""`eaglenest check-draft`: validate a draft checkpoint against its target, loudly.
+"""`eaglenest check-draft`: validate a draft against its target, judged the way each consumer uses it.
 
-Each problem is one line naming the tensor or field; warnings are things that load but may
-serve badly (e.g. non-canonical layer ids, which SGLang versions interpret differently).
+Consumers: `sglang` (0.5.23), `vllm` (0.32) and `hf` (eaglenest's own decoder, `eval --engine hf`).
+A draft from another trainer (SpecForge, TorchSpec, speculators) is accepted where the engines
+accept it: a missing `target_hidden_size` means the target's width (both engines), a missing
+`draft_vocab_size` the full vocabulary (vLLM), an `embed_tokens` in the file is replaced by the
+target's in SGLang but used as the draft's own by vLLM when it differs from the target's.  Each
+problem is one line naming the field or tensor, prefixed by the consumers it affects; the layers
+each engine will capture are computed from the target class's rule (export/layer_ids.py) and
+compared with the layers the draft was trained on.
 """
 
 from __future__ import annotations
@@ -11,92 +17,187 @@ from pathlib import Path
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.capture.layers import default_layer_ids
 from eaglenest.draft.vocab import check_vocab
-from eaglenest.export.format import expected_tensors, read_draft_config, read_draft_tensors
+from eaglenest.export.format import UNSUPPORTED_FLAGS, expected_tensors, flat_config, read_draft_config, read_draft_tensors
+from eaglenest.export.layer_ids import ENGINES, engine_capture, rule_text, trained_layers
+
+CONSUMERS = (*ENGINES, "hf")
+ARCHITECTURES = {  # draft architectures each engine's registry resolves (llama_eagle3.py in both)
+    "sglang": {"LlamaForCausalLMEagle3"},
+    "vllm": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+    "hf": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+}
 
 
-def _rope_of(cfg) -> dict:
-    rope = getattr(cfg, "rope_parameters", None)
-    if not rope:
-        rope = dict(getattr(cfg, "rope_scaling", None) or {"rope_type": "default"})
-        rope["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
-    rope = dict(rope)
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    return rope
+class Report:
+    """Problems per consumer; `errors(consumers)` is what a command acting for them must refuse."""
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[tuple[str, ...], str]] = []
+        self.warnings: list[str] = []
+        self.notes: list[str] = []
+
+    def error(self, msg: str, consumers=CONSUMERS) -> None:
+        self.problems.append((tuple(consumers), msg))
+
+    def errors(self, consumers=CONSUMERS) -> list[str]:
+        out = []
+        for who, msg in self.problems:
+            hit = [c for c in who if c in consumers]
+            if hit:
+                out.append(msg if set(who) >= set(CONSUMERS) else f"{'/'.join(hit)}: {msg}")
+        return out
+
+    def ok_for(self, consumer: str) -> bool:
+        return not any(consumer in who for who, _ in self.problems)
 
 
-def check_draft(draft_dir: Path | str, model: str | Path | None = None) -> tuple[list[str], list[str]]:
-    """Returns (errors, warnings). With `model`, also checks the fit to that target."""
-    draft_dir = Path(draft_dir)
-    errors: list[str] = []
-    warnings: list[str] = []
+def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained: list[int] | None = None,
+                weights: bool = True) -> Report:
+    """Everything check-draft knows about a draft, per consumer.  `trained` (capture-before ids)
+    overrides the layers read from the config (see export/layer_ids.py `trained_layers`);
+    `weights=False` judges config.json alone (what `eval` does before it starts an engine)."""
     raw, cfg = read_draft_config(draft_dir)
-    for key, want in (("architectures", ["LlamaForCausalLMEagle3"]), ("model_type", "llama"), ("num_hidden_layers", 1), ("tie_word_embeddings", False)):
-        if raw.get(key) != want:
-            errors.append(f"config.json: {key} is {raw.get(key)!r}, expected {want!r}")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings"):
-        if key not in raw:
-            errors.append(f"config.json: missing {key}")
-    tensors = read_draft_tensors(draft_dir)
+    return judge(raw, cfg, read_draft_tensors(draft_dir) if weights else None, model, trained)
+
+
+def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] | None = None) -> Report:
+    """`judge_draft` on a config and its tensors (None: the config alone); meta tensors (a draft too
+    big to write, e.g. the Kimi-K2.5 shape in a test) get the shape and dtype checks only.
+    `model`: a target directory, known name or config dict."""
+    r = Report()
+    flat = flat_config(raw)
+    arch = (raw.get("architectures") or [None])[0]
+    if "speculators_model_type" in raw:
+        # vLLM builds the draft from speculators_model_type + transformer_layer_config, whatever
+        # `architectures` says (transformers_utils/configs/speculators/algos.py: llama or qwen3 layers)
+        r.notes.append("speculators format (layers.0.* + transformer_layer_config)")
+        if raw["speculators_model_type"] != "eagle3":
+            r.error(f"config.json: speculators_model_type {raw['speculators_model_type']!r} is not an EAGLE-3 draft")
+        r.error("the speculators format: SGLang 0.5.23 has no loader for it", ["sglang"])
+        layer = flat.get("model_type", "llama")
+        if layer not in ("llama", "qwen3"):
+            r.error(f"transformer_layer_config.model_type {layer!r}: vLLM 0.32 builds EAGLE-3 drafts from llama or qwen3 layers", ["vllm"])
+        if layer != "llama":
+            r.error(f"transformer_layer_config.model_type {layer!r}: eaglenest's decoder is a Llama layer", ["hf"])
+    else:
+        for c in CONSUMERS:
+            if arch not in ARCHITECTURES[c]:
+                r.error(f"config.json: architectures {raw.get('architectures')!r}: not a draft class this consumer loads "
+                        f"(expected {' or '.join(sorted(ARCHITECTURES[c]))})", [c])
+        if raw.get("model_type") != "llama":
+            r.error(f"config.json: model_type is {raw.get('model_type')!r}, expected 'llama'")
+    if flat.get("num_hidden_layers", 1) != 1:
+        r.error(f"config.json: num_hidden_layers is {flat.get('num_hidden_layers')}: eaglenest checks and evaluates one-layer drafts")
+    if flat.get("tie_word_embeddings"):
+        r.error("config.json: tie_word_embeddings is true: SGLang would use embed_tokens as the lm_head", ["sglang"])
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+        if key not in flat:
+            r.error(f"config.json: missing {key}")
+    if "draft_vocab_size" not in flat:
+        r.error("config.json: no draft_vocab_size: SGLang 0.5.23's llama_eagle3.py reads config.draft_vocab_size, which "
+                "transformers' LlamaConfig does not default (vLLM assumes the full vocabulary)", ["sglang"])
+    if flat.get("norm_before_residual"):
+        r.error("norm_before_residual is true: SGLang 0.5.23's draft layer has no such variant and would compute another function", ["sglang"])
+    for k in UNSUPPORTED_FLAGS:
+        if flat.get(k):
+            r.error(f"{k} is set: eaglenest's decoder does not implement it (the engines do)", ["hf"])
+            if k == "use_aux_norm":
+                r.error("use_aux_norm is SGLang's spelling of fc_norm: vLLM 0.32 ignores it", ["vllm"])
+
+    if tensors is not None:
+        _judge_tensors(r, cfg, tensors)
+    if model is not None:
+        _judge_fit(r, raw, cfg, tensors or {}, model, trained, "eaglenest" in raw)
+    return r
+
+
+def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
     exp = expected_tensors(cfg)
-    for k in sorted(set(tensors) - set(exp)):
-        errors.append(f"model.safetensors: unexpected tensor {k}" + (" (engines would use it instead of the target's embeddings)" if "embed" in k else ""))
+    for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"}):
+        r.error(f"model.safetensors: unexpected tensor {k}")
     for k, (shape, dtype) in exp.items():
         if k not in tensors:
-            errors.append(f"model.safetensors: missing {k}" + (" (served without it, acceptance collapses to 1.0)" if k == "lm_head.weight" else ""))
+            r.error(f"model.safetensors: missing {k}" + (" (served without it, acceptance collapses to 1.0)" if k == "lm_head.weight" else ""))
             continue
         t = tensors[k]
         if tuple(t.shape) != shape:
-            errors.append(f"model.safetensors: {k} has shape {tuple(t.shape)}, expected {shape}")
+            r.error(f"model.safetensors: {k} has shape {tuple(t.shape)}, expected {shape}")
         if t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point):
-            errors.append(f"model.safetensors: {k} has dtype {t.dtype}, expected {dtype}")
-        elif t.is_floating_point() and not torch.isfinite(t.float()).all():
-            errors.append(f"model.safetensors: {k} contains NaN/Inf")
-    if "d2t" in tensors and "t2d" in tensors:
+            r.error(f"model.safetensors: {k} has dtype {t.dtype}, expected {dtype}")
+        elif t.is_floating_point() and not t.is_meta and not torch.isfinite(t.float()).all():
+            r.error(f"model.safetensors: {k} contains NaN/Inf")
+    if cfg.draft_vocab_size < cfg.vocab_size and "d2t" in tensors and "t2d" in tensors and not tensors["d2t"].is_meta:
         why = check_vocab(tensors["d2t"], tensors["t2d"])
         if why:
-            errors.append(f"vocabulary mapping: {why}")
-
-    if model is not None:
-        from eaglenest.models.target import load_config
-
-        t = load_config(model)
-        n = t.num_hidden_layers
-        if cfg.target_hidden_size != t.hidden_size:
-            errors.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden_size {t.hidden_size}: this draft is for another target")
-        if cfg.hidden_size != t.hidden_size:
-            errors.append(f"hidden_size {cfg.hidden_size} != target hidden_size {t.hidden_size} (engines share the target's embeddings)")
-        if cfg.vocab_size != t.vocab_size:
-            errors.append(f"vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}: this draft is for another tokenizer")
-        if cfg.draft_vocab_size > t.vocab_size:
-            errors.append(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target vocabulary {t.vocab_size}")
-        if cfg.max_position_embeddings < t.max_position_embeddings:
-            errors.append(
-                f"max_position_embeddings {cfg.max_position_embeddings} < target's {t.max_position_embeddings} (engines clamp the draft's RoPE)"
-            )
-        want_rope, got_rope = _rope_of(t), dict(cfg.rope_parameters)
-        if {k: v for k, v in want_rope.items()} != {k: v for k, v in got_rope.items()}:
-            errors.append(f"rope parameters {got_rope} differ from the target's {want_rope}")
-        ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        ours = raw.get("eaglenest", {}).get("draft_config", {}).get("aux_layer_ids")
-        if ours and ids is None and list(ours) != default_layer_ids(n):
-            errors.append(f"trained on layers {ours} but config.json names none (engines would use {default_layer_ids(n)})")
-        if ids is not None:
-            if any(not 1 <= k <= n - 1 for k in ids):
-                errors.append(f"eagle_aux_hidden_state_layer_ids {ids} out of range for a {n}-layer target")
-            if list(ids) != default_layer_ids(n):
-                warnings.append(
-                    f"non-canonical aux layers {ids} (capture-before): vLLM reads them as written; SGLang reads "
-                    "eagle_config's output-of ids and some versions add +1 only when the first id is 1: check your SGLang version"
-                )
-        if ours and raw.get("eaglenest", {}).get("draft_config", {}).get("target_num_layers") not in (None, n):
-            errors.append(f"trained for a {raw['eaglenest']['draft_config']['target_num_layers']}-layer target, this one has {n}")
-    return errors, warnings
+            r.error(f"vocabulary mapping: {why}")
+    if cfg.draft_vocab_size == cfg.vocab_size and "d2t" in tensors:
+        r.error("model.safetensors: d2t with a full draft vocabulary: vLLM 0.32 has no parameter for it and refuses the file", ["vllm"])
+    emb = tensors.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
+        r.error(f"model.safetensors: embed_tokens.weight has shape {tuple(emb.shape)}, expected {(cfg.vocab_size, cfg.hidden_size)}")
 
 
-def assert_draft_ok(draft_dir, model=None) -> list[str]:
-    errors, warnings = check_draft(draft_dir, model)
+def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: bool) -> None:
+    from eaglenest.models.target import target_facts
+
+    t = target_facts(model)
+    n = t.num_layers
+    if cfg.target_hidden_size != t.hidden_size:
+        r.error(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {t.hidden_size}: this draft is for another target")
+    if cfg.hidden_size != t.hidden_size:
+        r.error(f"draft hidden size {cfg.hidden_size} != target hidden size {t.hidden_size} (engines feed it the target's embeddings)")
+    if cfg.vocab_size != t.vocab_size:
+        r.error(f"vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}: this draft is for another tokenizer")
+    if cfg.draft_vocab_size > t.vocab_size:
+        r.error(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target vocabulary {t.vocab_size}")
+    if cfg.max_position_embeddings < t.max_position_embeddings:
+        r.error(f"max_position_embeddings {cfg.max_position_embeddings} < target's {t.max_position_embeddings} (engines clamp the draft's RoPE)")
+    if dict(cfg.rope_parameters) != t.rope_parameters:
+        msg = f"rope parameters {dict(cfg.rope_parameters)} differ from the target's {t.rope_parameters}"
+        (r.error(msg) if ours else r.warnings.append(msg + " (another trainer's choice: served as written)"))
+    dc = (raw.get("eaglenest") or {}).get("draft_config") or {}
+    if dc.get("target_num_layers") not in (None, 0, n):
+        r.error(f"trained for a {dc['target_num_layers']}-layer target, this one has {n}")
+    if ours and dc.get("target_architecture") not in (None, t.architecture):
+        r.warnings.append(f"trained on a {dc['target_architecture']} target, this one is {t.architecture}")
+
+    emb = tensors.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) == (t.vocab_size, t.hidden_size):
+        from eaglenest.models.weights import target_head
+
+        own = target_head(model)["embed"]
+        if torch.equal(emb.to(own.dtype), own):
+            r.notes.append("embed_tokens.weight equals the target's: vLLM shares the target's, SGLang replaces it")
+        else:
+            r.error("embed_tokens.weight differs from the target's: vLLM 0.32 would use it as the draft's own "
+                    "(SGLang and eaglenest use the target's)", ["vllm"])
+
+    ids, how = (list(trained), "given by --trained-layers") if trained else trained_layers(raw, n)
+    r.notes.append(f"trained on layers {ids} (capture-before; {how})")
+    if len(ids) != 3 or any(not 1 <= k <= n - 1 for k in ids) or sorted(set(ids)) != ids:
+        r.error(f"trained layers {ids} are not three increasing capture-before ids in 1..{n - 1} for a {n}-layer target")
+        return
+    for e in ENGINES:
+        try:
+            got = engine_capture(e, t.architecture, n, raw)
+        except EaglenestError as ex:
+            r.error(str(ex), [e])
+            continue
+        if got != ids:
+            r.error(f"would capture before layers {got}, the draft was trained on {ids} ({rule_text(e, t.architecture)})", [e])
+
+
+def check_draft(draft_dir: Path | str, model: str | Path | None = None, engines=CONSUMERS, trained=None,
+                weights: bool = True) -> tuple[list[str], list[str]]:
+    """(errors for `engines`, warnings).  Problems that only affect other consumers are warnings."""
+    r = judge_draft(draft_dir, model, trained, weights)
+    others = [c for c in CONSUMERS if c not in engines]
+    return r.errors(engines), r.warnings + [f"(not checked for) {e}" for e in r.errors(others) if e not in r.errors(engines)]
+
+
+def assert_draft_ok(draft_dir, model=None, engines=CONSUMERS, weights: bool = True) -> list[str]:
+    errors, warnings = check_draft(draft_dir, model, engines, weights=weights)
     if errors:
         raise EaglenestError(f"{draft_dir}: {len(errors)} problem(s): " + "; ".join(errors))
     return warnings

@@ -11,45 +11,71 @@ def register(sub) -> None:
         help="write the portable EAGLE-3 checkpoint (SGLang + vLLM)",
         description="Write RUN_DIR's latest checkpoint as DRAFT_DIR/config.json + model.safetensors: the EAGLE-3 "
         "layout both SGLang and vLLM load (fc, midlayer.*, norm, lm_head, d2t, t2d; bf16; no embed_tokens). "
+        "Aux layer ids are written so that each engine captures the trained layers on this target's class "
+        "(docs/sglang.md); a layer set an engine cannot express is refused with the reason. "
         "The result is validated before the command returns.",
     )
     p.add_argument("--run", required=True, help="training run directory")
     p.add_argument("--out", required=True, help="draft directory to write")
     p.add_argument("--model", default=None, help="target to validate against (default: the run's target)")
+    p.add_argument("--engine", action="append", choices=["sglang", "vllm"], default=None,
+                   help="engine(s) the draft must be servable by (repeatable; default: both)")
     p.set_defaults(func=_export)
 
     c = sub.add_parser(
         "check-draft",
-        help="validate a draft checkpoint against its target",
-        description="Validate keys, shapes, dtypes, d2t/t2d consistency, vocab sizes, layer ids, rope and "
-        "max_position_embeddings of a draft against its target. Exit 1 with the reasons on any problem.",
+        help="validate a draft checkpoint against its target, per engine",
+        description="Validate keys, shapes, dtypes, d2t/t2d consistency, vocab sizes, rope, max_position_embeddings "
+        "and aux layer ids of a draft (eaglenest's, SpecForge's, TorchSpec's or the speculators format) against its "
+        "target, judged the way each consumer uses it: sglang (0.5.23), vllm (0.32), hf (eaglenest eval). "
+        "Exit 1 with the reasons on any problem for the checked consumers.",
     )
     c.add_argument("draft", help="draft directory")
     c.add_argument("--model", default=None, help="target checkpoint directory or known name (smollm2)")
+    c.add_argument("--engine", action="append", choices=["sglang", "vllm", "hf"], default=None,
+                   help="consumer(s) to check for (repeatable; default: all three)")
+    c.add_argument("--trained-layers", default=None, metavar="A,B,C",
+                   help="the layers the draft was trained on, capture-before (HF hidden_states index), when its "
+                   "config does not say it the way its trainer's convention is read (see docs/sglang.md)")
     c.set_defaults(func=_check)
 
 
 def _export(args) -> int:
-    from eaglenest.export.check import assert_draft_ok
-    from eaglenest.export.run import export_run
-    from eaglenest.utils import read_json
     from pathlib import Path
 
-    out = export_run(args.run, args.out)
+    from eaglenest.export.check import assert_draft_ok
+    from eaglenest.export.layer_ids import ENGINES
+    from eaglenest.export.run import export_run
+    from eaglenest.utils import read_json
+
+    engines = tuple(args.engine or ENGINES)
+    out = export_run(args.run, args.out, engines)
     model = args.model or read_json(Path(args.run) / "config.json")["target"]
-    for w in assert_draft_ok(out, model):
+    for w in assert_draft_ok(out, model, engines=(*engines, "hf")):
         print(f"warning: {w}", file=sys.stderr)
     print(out)
     return 0
 
 
 def _check(args) -> int:
-    from eaglenest.export.check import check_draft
+    from eaglenest import EaglenestError
+    from eaglenest.export.check import CONSUMERS, judge_draft
 
-    errors, warnings = check_draft(args.draft, args.model)
-    for w in warnings:
+    trained = None
+    if args.trained_layers:
+        try:
+            trained = [int(x) for x in args.trained_layers.split(",")]
+        except ValueError:
+            raise EaglenestError(f"--trained-layers must be integers like 2,15,27 (got {args.trained_layers!r})") from None
+    r = judge_draft(args.draft, args.model, trained)
+    consumers = tuple(args.engine or CONSUMERS)
+    for n in r.notes:
+        print(f"note: {n}")
+    for w in r.warnings:
         print(f"warning: {w}")
+    errors = r.errors(consumers)
     for e in errors:
         print(f"error: {e}")
-    print(f"{args.draft}: " + ("OK" if not errors else f"{len(errors)} problem(s)"))
+    verdicts = ", ".join(f"{c} {'OK' if r.ok_for(c) else 'NO'}" for c in consumers)
+    print(f"{args.draft}: {verdicts}" + ("" if not errors else f" ({len(errors)} problem(s))"))
     return 1 if errors else 0

@@ -1,14 +1,20 @@
-"""The portable EAGLE-3 draft checkpoint that both SGLang and vLLM load (engines.md §4).
+"""The portable EAGLE-3 draft checkpoint that both SGLang and vLLM load (engines.md §4), and
+reading drafts written by other trainers.
 
 DRAFT_DIR/config.json + DRAFT_DIR/model.safetensors, keys exactly:
   fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
   midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
   norm.weight, lm_head.weight, d2t (int64), t2d (bool)  -- and never embed_tokens.
+d2t/t2d only with a reduced draft vocabulary: vLLM 0.32 has no parameter for a d2t when the draft
+vocabulary is the target's (llama_eagle3.py `draft_id_to_target_id = None`) and refuses the file.
 
-Aux layer ids: omitted when they are the canonical [2, N//2, N-3] (then both engines pick the
-same canonical layers by themselves); otherwise written top-level in capture-before form (vLLM)
-and in `eagle_config` in output-of form (SGLang) -- check-draft warns about SGLang's +1 quirk.
-The `eaglenest` block carries our own exact config (engines ignore unknown keys).
+Aux layer ids: written so that each engine captures the trained layers, per the target class's
+rule (export/layer_ids.py); omitted when the engines' defaults are those layers.  The
+`eaglenest` block carries our own exact config (engines ignore unknown keys).
+
+Other trainers' drafts (SpecForge, TorchSpec: `midlayer.*`, maybe the target's `embed_tokens`;
+speculators: `layers.0.*` + `transformer_layer_config`) are read into the same DraftConfig;
+export/check.py judges how each engine will use them.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglenest import EaglenestError
-from eaglenest.capture.layers import default_layer_ids, to_output_of
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.export.layer_ids import ENGINES, config_keys, trained_layers
+from eaglenest.models.target import normalized_rope
 from eaglenest.utils import atomic_write_json, read_json
 
 WEIGHT_DTYPE = torch.bfloat16
@@ -45,12 +52,15 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
         "midlayer.mlp.down_proj.weight": ((H, I), w),
         "norm.weight": ((H,), w),
         "lm_head.weight": ((cfg.draft_vocab_size, H), w),
-        "d2t": ((cfg.draft_vocab_size,), torch.int64),
-        "t2d": ((cfg.vocab_size,), torch.bool),
+        **(
+            {"d2t": ((cfg.draft_vocab_size,), torch.int64), "t2d": ((cfg.vocab_size,), torch.bool)}
+            if cfg.draft_vocab_size < cfg.vocab_size
+            else {}
+        ),
     }
 
 
-def hf_config(cfg: DraftConfig, extra: dict | None = None) -> dict:
+def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
     rope = dict(cfg.rope_parameters)
     rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -80,15 +90,19 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None) -> dict:
         "torch_dtype": "bfloat16",
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
-        "eaglenest": {"draft_config": cfg.to_dict(), "layer_convention": "capture-before", **(extra or {})},
+        "eaglenest": {
+            "draft_config": cfg.to_dict(),
+            "layer_convention": "capture-before",
+            "serving_engines": list(engines),
+            **(extra or {}),
+        },
     }
-    if list(cfg.aux_layer_ids) != default_layer_ids(cfg.target_num_layers):
-        c["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)  # vLLM: capture-before
-        c["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": to_output_of(cfg.aux_layer_ids)}  # SGLang: output-of
+    c.update(config_keys(cfg.target_architecture, cfg.target_num_layers, cfg.aux_layer_ids, engines))
     return c
 
 
-def save_draft(model: Eagle3Draft, out: Path | str, extra: dict | None = None) -> Path:
+def save_draft(model: Eagle3Draft, out: Path | str, extra: dict | None = None, engines=ENGINES) -> Path:
+    """Write the draft; refuses (EaglenestError) a layer set one of `engines` cannot serve."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sd = {}
@@ -97,51 +111,92 @@ def save_draft(model: Eagle3Draft, out: Path | str, extra: dict | None = None) -
         sd[k] = v.to(WEIGHT_DTYPE) if v.is_floating_point() else v
         sd[k] = sd[k].contiguous()
     exp = expected_tensors(model.cfg)
+    sd = {k: v for k, v in sd.items() if k in exp or k not in ("d2t", "t2d")}  # no mapping for a full vocabulary
     if set(sd) != set(exp):
         raise EaglenestError(f"internal: export keys differ from the contract: {sorted(set(sd) ^ set(exp))}")
+    config = hf_config(model.cfg, extra, engines)  # before any file is written: refuses unservable layers
     tmp = out / "model.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
-    atomic_write_json(out / "config.json", hf_config(model.cfg, extra))
+    atomic_write_json(out / "config.json", config)
     return out
 
 
+def flat_config(raw: dict) -> dict:
+    """A draft config.json as one flat Llama-style dict: the speculators format keeps the layer's
+    fields in `transformer_layer_config` and the EAGLE-3 ones at the top (vLLM's
+    SpeculatorsConfig does the same flattening; its default for norm_before_residual is True)."""
+    if raw.get("speculators_model_type") != "eagle3":
+        return raw
+    flat = dict(raw.get("transformer_layer_config") or {})
+    for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm", "norm_output"):
+        if raw.get(k) is not None:
+            flat[k] = raw[k]
+    flat["norm_before_residual"] = raw.get("norm_before_residual", True)
+    return flat
+
+
 def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
+    """(config.json as written, DraftConfig).  A draft from another trainer gets the engines'
+    defaults for what it leaves out (target_hidden_size = hidden_size, draft_vocab_size =
+    vocab_size, head_dim = hidden / heads); its aux layers stay [] unless given top-level
+    (resolve_aux_layers fills them once the target's layer count is known)."""
     draft_dir = Path(draft_dir)
     raw = read_json(draft_dir / "config.json", "draft config")
     if "eaglenest" in raw and "draft_config" in raw["eaglenest"]:
         return raw, DraftConfig.from_dict(raw["eaglenest"]["draft_config"])
-    # a draft from another trainer: rebuild from the Llama fields
-    rope = raw.get("rope_parameters") or {**(raw.get("rope_scaling") or {"rope_type": "default"}), "rope_theta": raw.get("rope_theta", 10000.0)}
-    ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    n = raw.get("eaglenest", {}).get("target_num_layers") or 0
+    f = flat_config(raw)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in f]
+    if missing:
+        raise EaglenestError(f"{draft_dir}/config.json: missing {', '.join(missing)}: not an EAGLE-3 draft config")
+    ids = f.get("eagle_aux_hidden_state_layer_ids")
     cfg = DraftConfig(
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        vocab_size=raw["vocab_size"],
-        draft_vocab_size=raw.get("draft_vocab_size", raw["vocab_size"]),
-        target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
+        hidden_size=f["hidden_size"],
+        intermediate_size=f["intermediate_size"],
+        num_attention_heads=f["num_attention_heads"],
+        num_key_value_heads=f.get("num_key_value_heads") or f["num_attention_heads"],
+        head_dim=f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
+        vocab_size=f["vocab_size"],
+        draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
+        target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
         aux_layer_ids=list(ids) if ids else [],
-        target_num_layers=n,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        hidden_act=raw.get("hidden_act", "silu"),
-        max_position_embeddings=raw.get("max_position_embeddings", 8192),
-        rope_parameters=rope,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
+        target_num_layers=0,
+        rms_norm_eps=f.get("rms_norm_eps", 1e-6),
+        hidden_act=f.get("hidden_act", "silu"),
+        max_position_embeddings=f.get("max_position_embeddings", 8192),
+        rope_parameters=normalized_rope(f),
+        bos_token_id=f.get("bos_token_id"),
+        eos_token_id=f.get("eos_token_id"),
+        norm_before_residual=bool(f.get("norm_before_residual", False)),
     )
     return raw, cfg
 
 
+def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftConfig:
+    """Fill a draft's trained layers and target layer count for an N-layer target (export/layer_ids.py
+    `trained_layers`: our record, else the other trainer's convention, else the canonical layers)."""
+    if not cfg.aux_layer_ids:
+        cfg.aux_layer_ids = trained_layers(raw, num_layers)[0]
+    if not cfg.target_num_layers:
+        cfg.target_num_layers = num_layers
+    return cfg
+
+
 def read_draft_tensors(draft_dir: Path | str) -> dict[str, torch.Tensor]:
+    """The draft's tensors under our names (speculators' `layers.0.` is our `midlayer.`)."""
     path = Path(draft_dir) / "model.safetensors"
     if not path.exists():
         raise EaglenestError(f"{path} not found: not an exported draft")
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a torn or foreign file
+        raise EaglenestError(f"{path}: cannot read the weights ({type(e).__name__}: {e})") from None
+
+
+# config flags of other trainers' layer variants that eaglenest's decoder does not implement
+# (both engines do; check-draft judges them per engine)
+UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "use_aux_norm")
 
 
 def load_draft(
@@ -151,13 +206,24 @@ def load_draft(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Eagle3Draft:
-    """Load an exported draft; `embed_weight` is the target's input embedding matrix."""
+    """Load a draft (ours or another trainer's); `embed_weight` is the target's input embedding
+    matrix, which the draft uses like both engines do when sizes match (an `embed_tokens` in the
+    file is not used: check-draft says when vLLM would use it instead)."""
     raw, cfg = read_draft_config(draft_dir)
-    if not cfg.aux_layer_ids and target_config is not None:
-        cfg.target_num_layers = target_config.num_hidden_layers
-        cfg.aux_layer_ids = default_layer_ids(cfg.target_num_layers)
+    flags = [k for k in UNSUPPORTED_FLAGS if flat_config(raw).get(k)]
+    if flags:
+        raise EaglenestError(
+            f"{draft_dir}: {', '.join(flags)} set: eaglenest's decoder does not implement that layer variant "
+            "(SGLang/vLLM do): evaluate it with --engine vllm or --engine sglang"
+        )
+    if target_config is not None:
+        resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)
     tensors = read_draft_tensors(draft_dir)
+    tensors.pop("embed_tokens.weight", None)
     model = Eagle3Draft(cfg, embed_weight=embed_weight)
+    if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity mapping
+        model.set_vocab(torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool))
+        tensors.update(d2t=model.d2t, t2d=model.t2d)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens", "rotary"))]
     if missing or unexpected:

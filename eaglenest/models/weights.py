@@ -38,14 +38,33 @@ def read_tensors(model: str | Path, names: list[str]) -> dict[str, torch.Tensor]
     return out
 
 
-def target_head(model: str | Path) -> dict[str, torch.Tensor]:
-    """{'embed': [V, H], 'lm_head': [V, H], 'norm': [H]} of a Llama-family target (tied heads handled)."""
-    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+# where a checkpoint keeps its language model: plain causal LMs, then multimodal wrappers
+# (transformers 5 `model.language_model.*`; Kimi-K2.5 / older VLMs `language_model.model.*`)
+_LM_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+
+def target_head(model: str | Path) -> dict:
+    """The teacher's pieces of a target, per its family (models/families.py):
+    {'embed': [V, H], 'lm_head': [V, H] (tied embeddings handled), 'norm': [H] as the multiplier
+    of x / rms(x) (Gemma's (1 + w) already added), 'norm_eps', 'logit_softcap' (None or the tanh cap)}."""
+    from eaglenest.models.target import target_facts
+
+    facts = target_facts(model)
+    index = _index(resolve_model_path(model))
+    prefix = next((p for p in _LM_PREFIXES if f"{p}embed_tokens.weight" in index and f"{p}norm.weight" in index), None)
+    if prefix is None:
+        raise EaglenestError(f"{model}: no embed_tokens.weight + norm.weight under any of {', '.join(_LM_PREFIXES)}")
+    head_name = next((n for n in _HEAD_NAMES if n in index), None)
+    names = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"] + ([head_name] if head_name else [])
     t = read_tensors(model, names)
-    if "model.embed_tokens.weight" not in t or "model.norm.weight" not in t:
-        raise EaglenestError(f"{model}: expected Llama-style tensors model.embed_tokens.weight and model.norm.weight")
+    embed, norm = t[names[0]], t[names[1]]
+    if facts.family.final_norm == "rms_1p":
+        norm = 1.0 + norm.float()
     return {
-        "embed": t["model.embed_tokens.weight"],
-        "lm_head": t.get("lm_head.weight", t["model.embed_tokens.weight"]),  # tied embeddings
-        "norm": t["model.norm.weight"],
+        "embed": embed,
+        "lm_head": t[head_name] if head_name else embed,  # tied embeddings
+        "norm": norm,
+        "norm_eps": facts.rms_norm_eps,
+        "logit_softcap": facts.logit_softcap,
     }

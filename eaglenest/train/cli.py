@@ -21,13 +21,19 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p, TrainConfig)
+    from eaglenest.draft import shape
+
+    shape.add_arguments(p)
     p.set_defaults(func=_run)
 
 
 def config_from_args(args):
     from eaglenest.train.config import TrainConfig
 
+    from eaglenest.draft.shape import overrides_from_args
+
     cfg = from_args(args, TrainConfig)
+    cfg.draft_shape = {**(cfg.draft_shape or {}), **overrides_from_args(args)}  # the --draft-* flags win over the file
     cfg.validate()
     return cfg
 

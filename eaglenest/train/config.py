@@ -52,6 +52,8 @@ class TrainConfig:
     loader_threads: int = option(1, "threads reading and collating prefetched micro-batches")
     report_to: str = option("jsonl", "metrics sink: jsonl (RUN_DIR/metrics.jsonl, always written) or tensorboard "
                             "(also RUN_DIR/tb; needs `pip install 'eaglenest[tensorboard]'`)", choices=["jsonl", "tensorboard"])
+    draft_shape: dict = option(default_factory=dict, help="draft layer overrides by field (num_attention_heads, num_key_value_heads, "
+                               "head_dim, intermediate_size); the --draft-* flags set them", cli=False)
     extra: dict = option(default_factory=dict, help="free-form notes kept in RUN_DIR/config.json", cli=False)
 
     def validate(self) -> None:

@@ -80,11 +80,12 @@ def init_fc(model: Eagle3Draft, how: str, rms: torch.Tensor | None) -> None:
         fc[:, 2 * H : 3 * H] += torch.eye(H, dtype=fc.dtype, device=fc.device)
 
 
-def build_teacher(head: dict, rows, t2d, *, pre_norm: bool, norm_eps: float, bf16: bool) -> Teacher:
+def build_teacher(head: dict, rows, t2d, *, pre_norm: bool, norm_eps: float, bf16: bool, logit_softcap: float | None = None) -> Teacher:
     dtype = torch.bfloat16 if bf16 else torch.float32
     return Teacher(
         norm_weight=head["norm"].float() if pre_norm else None,
         norm_eps=norm_eps,
+        logit_softcap=logit_softcap,
         lm_head=head["lm_head"].to(dtype),  # bf16 on CUDA: no resident fp32 copy (2 GB at 8B)
         draft_rows=rows,
         t2d=t2d,

@@ -16,6 +16,7 @@ TensorBoard), ttt.py (the loss).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -62,7 +63,8 @@ def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        from eaglenest.models.target import load_config, target_fingerprint
+        from eaglenest.draft.shape import describe, draft_shape
+        from eaglenest.models.target import load_config, target_facts, target_fingerprint
         from eaglenest.models.weights import target_head
 
         cfg.validate()
@@ -94,7 +96,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         d2t, t2d = self._vocab(tcfg, resuming)
         rows = draft_ids_to_target(d2t)
-        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids)
+        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape)
+        if self.rank == 0:
+            print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
@@ -105,7 +109,8 @@ class Trainer:
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
         self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
                                  fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
-        self.teacher = build_teacher(head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=tcfg.rms_norm_eps,
+        self.teacher = build_teacher(head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"],
+                                     logit_softcap=head["logit_softcap"],
                                      bf16=self.autocast).to(self.device)
         self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
@@ -169,8 +174,9 @@ class Trainer:
             return v["d2t"], v["t2d"]
         counts = vocab_counts(self.store, tcfg.vocab_size) if self.rank == 0 else torch.zeros(tcfg.vocab_size, dtype=torch.int64)
         self.counts = self.dist.broadcast_(counts)
-        eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
-        return build_vocab(self.counts, self.cfg.draft_vocab, always=[e for e in eos if e is not None])
+        from eaglenest.models.target import eos_token_ids, resolve_model_path
+
+        return build_vocab(self.counts, self.cfg.draft_vocab, always=eos_token_ids(resolve_model_path(self.cfg.model)))
 
     def _check_resume(self) -> None:
         p = self.out / "config.json"

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
+from eaglenest.models.target import final_norm, soft_cap
 
 
 @dataclass
@@ -40,11 +41,12 @@ class Teacher:
     draft_rows: torch.Tensor  # [Vd] target ids of the draft vocabulary
     t2d: torch.Tensor  # [V] bool
     matmul_dtype: torch.dtype = torch.float32  # bf16 on CUDA: fp32 matmuls would cost ~2x the draft's step
+    logit_softcap: float | None = None  # the target's tanh logit cap (Gemma 2; models/families.py), None for most
     _w: dict = field(default_factory=dict, repr=False)  # cached (full, draft-rows) heads per dtype
 
     def to(self, device) -> "Teacher":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype)
+        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype, self.logit_softcap)
 
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self._w.get(self.matmul_dtype)
@@ -66,12 +68,13 @@ class Teacher:
         arg = torch.empty(N, dtype=torch.long, device=last_hidden.device) if argmax is None else argmax.to(last_hidden.device)
         for s in range(0, N, chunk):
             h = last_hidden[s : s + chunk].float()
-            if self.norm_weight is not None:
-                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
+            if self.norm_weight is not None:  # a pre-norm state (vLLM's): the target's own final norm first
+                h = final_norm(h, self.norm_weight.float(), self.norm_eps)
             h = h.to(self.matmul_dtype)
-            if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide)
+            if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide); soft-capping is monotone
                 arg[s : s + chunk] = (h @ W.T).max(-1).indices
-            probs[s : s + chunk] = torch.softmax((h @ Wd.T).float(), dim=-1)  # once per batch, not per TTT step
+            z = soft_cap((h @ Wd.T).float(), self.logit_softcap)
+            probs[s : s + chunk] = torch.softmax(z, dim=-1)  # once per batch, not per TTT step
         return probs, arg
 
 
