@@ -10,8 +10,9 @@ Per store dtype, in one run:
      cache), before and after the loader runs;
   3. for each --workers N, with torch's THP_MEM_ALLOC_ENABLE off (default) and on: the store's
      pages evicted (posix_fadvise DONTNEED on its files: cold, without dropping anyone else's
-     cache), then, in a fresh process, one epoch of the trainer's micro-batches (its own Schedule:
-     length-bucketed batches in shuffled order) read by N DataLoader worker processes through the
+     cache), then, in a fresh process, the first --read-gb of an epoch of the trainer's
+     micro-batches (its own Schedule: length-bucketed batches in shuffled order, so a random part
+     of the store) read by N DataLoader worker processes through the
      trainer's own collate (`read_batch` below: the one call to switch when the trainer's
      prefetching data component lands) into pinned batches (pinned only where an accelerator
      exists: torch cannot pin without one);
@@ -134,7 +135,7 @@ def disk_read_mb_s(files: list[Path], limit_bytes: float, chunk: int = 8 << 20) 
     return {"mb_per_s": round(n / dt / 1e6, 1), "bytes": n, "seconds": round(dt, 2), "method": "O_DIRECT sequential, 8 MiB reads"}
 
 
-def run_loader(root: Path, workers: int, batch_tokens: int, seed: int) -> dict:
+def run_loader(root: Path, workers: int, batch_tokens: int, seed: int, read_gb: float) -> dict:
     import torch
 
     from eaglenest.features import FeatureStore
@@ -143,22 +144,39 @@ def run_loader(root: Path, workers: int, batch_tokens: int, seed: int) -> dict:
 
     fs = FeatureStore(root)
     lengths = fs.lengths()
-    batches = Schedule(lengths, list(range(len(fs))), batch_tokens, 1, seed, max(lengths)).epoch_order(0)
+    per_tok = bytes_per_token(HIDDEN, fs.meta.dtype)
+    batches, n = [], 0
+    for b in Schedule(lengths, list(range(len(fs))), batch_tokens, 1, seed, max(lengths)).epoch_order(0):
+        if n >= read_gb * 1e9:  # the first read_gb of the epoch: a random part of the whole store
+            break
+        batches.append(b)
+        n += sum(lengths[i] for i in b) * per_tok
     pin = torch.cuda.is_available()
     dl = torch.utils.data.DataLoader(MicroBatches(root, batches), batch_size=None, shuffle=False, num_workers=workers,
                                      pin_memory=pin, prefetch_factor=2 if workers else None)
     tokens, n_batches, pinned_ok = 0, 0, True
     load0 = os.getloadavg()
+    cpu0 = _cpu_s()
     t0 = time.perf_counter()
     for b in dl:
         tokens += b["n_tokens"]
         n_batches += 1
         pinned_ok &= (not pin) or b["aux"].is_pinned()
     dt = time.perf_counter() - t0
-    per_tok = bytes_per_token(HIDDEN, fs.meta.dtype)
+    del dl  # joins the workers, so their CPU time is counted below
+    cpu = _cpu_s() - cpu0
+    gb = tokens * per_tok / 1e9
     return {"workers": workers, "batches": n_batches, "tokens": tokens, "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt, 1), "loader_mb_per_s": round(tokens * per_tok / dt / 1e6, 1),
+            "cpu_s": round(cpu, 2), "cpu_s_per_gb": round(cpu / gb, 3),
             "pinned": pin and pinned_ok, "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its finished children (the workers)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def main() -> None:
@@ -166,6 +184,7 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--gb", type=float, default=10.0, help="store size per dtype, GB")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--read-gb", type=float, default=3.0, help="GB each loader run reads (micro-batches in the epoch's shuffled order)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="trainer micro-batch tokens")
     ap.add_argument("--min-len", type=int, default=500)
     ap.add_argument("--max-len", type=int, default=8000)
@@ -179,7 +198,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if a.child:
-        print(json.dumps(run_loader(Path(a.child), a.workers[0], a.batch_tokens, a.seed)))
+        print(json.dumps(run_loader(Path(a.child), a.workers[0], a.batch_tokens, a.seed, a.read_gb)))
         return
 
     import common
@@ -202,7 +221,7 @@ def main() -> None:
                     evict(root)
                     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": thp, "OMP_NUM_THREADS": "1"}
                     out = subprocess.run([sys.executable, __file__, "--child", str(root), "--workers", str(w), "--batch-tokens",
-                                          str(a.batch_tokens), "--seed", str(a.seed)], env=env, check=True, capture_output=True, text=True)
+                                          str(a.batch_tokens), "--seed", str(a.seed), "--read-gb", str(a.read_gb)], env=env, check=True, capture_output=True, text=True)
                     runs.append({**json.loads(out.stdout.strip().splitlines()[-1]), "thp_mem_alloc": thp == "1"})
                     print(f"{dtype} workers {w} THP {thp}: {runs[-1]['loader_mb_per_s']} MB/s, {runs[-1]['tokens_per_s']} tok/s",
                           file=sys.stderr, flush=True)
@@ -220,6 +239,7 @@ def main() -> None:
             "store": {"samples": n_samples, "tokens": n_tokens, "bytes": store_bytes, "sample_tokens": [a.min_len, a.max_len],
                       "build_s": round(build_s, 1)},
             "batch_tokens": a.batch_tokens,
+            "read_gb_per_run": a.read_gb,
             "disk_mb_per_s": disk_mb,
             "disk_runs": disk,
             "loader_mb_per_s": best["loader_mb_per_s"],
@@ -227,6 +247,10 @@ def main() -> None:
             "workers": best["workers"],
             "thp_mem_alloc": best["thp_mem_alloc"],
             "ratio_to_disk": round(best["loader_mb_per_s"] / disk_mb, 3),
+            # CPU time per GB is what the loader costs regardless of how busy the machine was:
+            # cores needed to read at the disk's speed = disk GB/s x CPU seconds per GB
+            "cpu_s_per_gb": best["cpu_s_per_gb"],
+            "cores_to_match_disk": round(disk_mb / 1e3 * min(r["cpu_s_per_gb"] for r in runs), 2),
             "default_env": {k: default[k] for k in ("loader_mb_per_s", "tokens_per_s", "workers")},
             "goal": ">= 0.8x the disk's raw sequential read bandwidth",
             "runs": runs,

@@ -153,8 +153,27 @@ def capture_speed(args) -> None:
                 s = run_capture(e, data, out / d, dtype=d, limit=args.n)
                 res[d].append({"tokens": s.tokens, "seconds": round(s.seconds, 2), "tokens_per_s": round(s.tokens / s.seconds, 1),
                                "bytes": s.bytes_written, "loadavg": [round(x, 2) for x in os.getloadavg()]})
+    # the part that differs: encoding + writing the same captured samples, per store dtype, interleaved
+    from eaglenest.features import FeatureStore, FeatureWriter
+
+    src = FeatureStore(Path(args.root) / "bf16")
+    samples = [(src.ids()[i], src[i]) for i in range(min(len(src), 256))]
+    n_tok = sum(len(t["input_ids"]) for _, t in samples)
+    write = {"bf16": [], "fp8": []}
+    for r in range(args.repeats + 1):
+        for d in ("bf16", "fp8"):
+            shutil.rmtree(out / d, ignore_errors=True)
+            w = FeatureWriter(out / d, src.meta.__class__.from_dict({**src.meta.to_dict(), "dtype": d}))
+            t0, c0 = time.perf_counter(), time.process_time()
+            for k in range(0, len(samples), 16):
+                w.write_batch(samples[k : k + 16])
+            if r:  # the first round warms up
+                write[d].append({"tokens": n_tok, "cpu_s": round(time.process_time() - c0, 3), "wall_s": round(time.perf_counter() - t0, 3)})
     shutil.rmtree(out, ignore_errors=True)
-    (Path(args.root) / "capture_speed.json").write_text(json.dumps({"samples": args.n, "threads": args.threads, "runs": res}, indent=2))
+    (Path(args.root) / "capture_speed.json").write_text(json.dumps(
+        {"samples": args.n, "threads": args.threads, "runs": res,
+         "store_write": {d: {"runs": v, "cpu_us_per_token": round(min(x["cpu_s"] for x in v) / n_tok * 1e6, 2)} for d, v in write.items()}},
+        indent=2))
 
 
 def train(args) -> None:
@@ -259,6 +278,7 @@ def report(args) -> None:
     if (root / "capture_speed.json").exists():
         cs = json.loads((root / "capture_speed.json").read_text())
         out["capture_speed"] = {**cs, "median_tokens_per_s": {d: sorted(r["tokens_per_s"] for r in runs)[len(runs) // 2] for d, runs in cs["runs"].items()}}
+    out["bytes_per_token_kimi_k25_shape"] = {v: topk_bytes_per_token(7168) if v == "topk" else bytes_per_token(7168, v) for v in VARIANTS}
     out["goal"] = "|tau_fp8 - tau_bf16| <= 1% of tau_bf16, bytes/token <= 0.55x bf16"
     out["shared_machine"] = ("2 CPU cores shared with up to 4 other engineers' jobs (load 5-14): speeds are pessimistic and noisy; "
                              "variants were trained in pairs at the same time, one thread each, so each pair saw the same load")
