@@ -159,6 +159,7 @@ def test_stats(smol_store, fp8_store, capsys, tmp_path):
 def _split(store, tmp_path, keep_a, keep_b):
     ids = FeatureStore(store).ids()
     a, b = tmp_path / "A", tmp_path / "B"
+    tmp_path.mkdir(exist_ok=True)
     for d, keep in ((a, keep_a), (b, keep_b)):
         shutil.copytree(store, d)
         FeatureStore(d).drop({ids[i] for i in range(len(ids)) if i not in keep})
@@ -179,6 +180,12 @@ def test_merge_stores_of_several_machines(smol_store, fp8_store, tiny_llama_dir,
     # a re-run has nothing left to do
     assert main(["features", "merge", str(a), str(b), "--out", str(tmp_path / "C")]) == 0
     assert len(FeatureStore(tmp_path / "C")) == 24
+    # fp8 stores merge the same way (codes and exponents copied as stored)
+    a8, b8 = _split(fp8_store, tmp_path / "fp8", set(range(10)), set(range(10, 24)))
+    assert main(["features", "merge", str(a8), str(b8), "--out", str(tmp_path / "C8")]) == 0
+    c8, src8 = FeatureStore(tmp_path / "C8"), FeatureStore(fp8_store)
+    assert c8.meta.dtype == "fp8" and c8.verify() == []
+    assert sorted((e["id"], e["sha256"]) for e in c8.entries) == sorted((e["id"], e["sha256"]) for e in src8.entries)
     # refused by name: another dtype, another target, other layers
     err = _refused(["features", "merge", str(a), str(fp8_store), "--out", str(tmp_path / "X")], capsys)
     assert re.search(r"dtype: \S+ has 'bf16', \S+ has 'fp8'", err), err
