@@ -17,8 +17,49 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.engines.base import Captured, Engine, Failure, Request, check_echo
-from eaglenest.features.store import FeatureWriter, StoreMeta, estimate_bytes, free_bytes, validate_sample
+from eaglenest.features.store import FeatureWriter, StoreMeta, bytes_per_token, estimate_bytes, free_bytes, validate_sample
 from eaglenest.utils import Failures, human_bytes, progress
+
+# `--store-dtype auto`: targets this wide get the compact store (measured: bench/results/store_dtype.json)
+COMPACT_FROM_HIDDEN = 4096
+COMPACT_DTYPE = "fp8"
+
+
+def resolve_store_dtype(store_dtype: str, model_dtype: str, hidden_size: int) -> str:
+    if store_dtype != "auto":
+        return store_dtype
+    return COMPACT_DTYPE if hidden_size >= COMPACT_FROM_HIDDEN else model_dtype
+
+
+def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool) -> None:
+    """Refuse to start a capture the disk at `out` cannot hold."""
+    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype), free_bytes(out)
+    if need > free and not ignore_disk:
+        raise EaglenestError(
+            f"not enough disk at {out}: {n_tokens:,} tokens in {store_dtype} need ~{human_bytes(need)}, "
+            f"{human_bytes(free)} free (override: --ignore-disk)"
+        )
+
+
+def print_plan(out: Path, target: str, hidden_size: int, num_layers: int, n_samples: int | None, n_tokens: int,
+               n_done: int, store_dtype: str, model_dtype: str) -> bool:
+    """The dry run: bytes per token and total size in every store dtype, free disk; True if the chosen one fits."""
+    free = free_bytes(out)
+    lines = [
+        f"capture plan: {f'{n_samples:,} samples / ' if n_samples is not None else ''}{n_tokens:,} tokens to process"
+        f"{f' ({n_done} already stored)' if n_done else ''}; target {target} ({num_layers} layers, hidden {hidden_size})",
+        f"  {'store dtype':<16}{'bytes/token':>12}{'total':>12}{'vs bf16':>9}",
+    ]
+    for d in dict.fromkeys(["bf16", model_dtype, "fp8", "fp8-aux", store_dtype]):
+        per = bytes_per_token(hidden_size, d)
+        mark = " <- this run" if d == store_dtype else ""
+        lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16'):>8.2f}x{mark}")
+    need = estimate_bytes(n_tokens, hidden_size, store_dtype)
+    fits = need <= free
+    lines.append(f"free at {out}: {human_bytes(free)}; {store_dtype} needs ~{human_bytes(need)} on disk: "
+                 + ("fits" if fits else "does NOT fit, capture would refuse to start (override: --ignore-disk)"))
+    print("\n".join(lines), file=sys.stderr)
+    return fits
 
 
 @dataclass
@@ -50,6 +91,7 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch: int = 256) ->
 
 
 def store_meta_for(engine: Engine, dtype: str) -> StoreMeta:
+    """`dtype`: the store dtype (STORE_DTYPES)."""
     info = engine.info()
     return StoreMeta(
         target=info.target,
@@ -76,7 +118,8 @@ def run_capture(
     max_failures: int | None = None,
     limit: int | None = None,
 ) -> CaptureSummary:
-    """`data` is a PreparedData (or any sequence of samples with id/input_ids/loss_mask)."""
+    """`data` is a PreparedData (or any sequence of samples with id/input_ids/loss_mask);
+    `dtype` is the store dtype (bf16, fp32, fp8, ...: STORE_DTYPES)."""
     meta = store_meta_for(engine, dtype)
     samples = [data[i] for i in range(len(data) if limit is None else min(limit, len(data)))]
     if data_vocab := getattr(data, "meta", {}).get("vocab_size"):
@@ -90,61 +133,71 @@ def run_capture(
     free = free_bytes(out)
     print(
         f"capture: {n_todo} samples / {todo_tokens:,} tokens to process ({len(samples) - n_todo} already stored); "
-        f"needs ~{human_bytes(need)} on disk, {human_bytes(free)} free at {out}",
+        f"needs ~{human_bytes(need)} on disk ({dtype}), {human_bytes(free)} free at {out}",
         file=sys.stderr,
     )
     if dry_run:
         return CaptureSummary(0, len(samples) - n_todo, 0, todo_tokens, 0.0, 0, {"estimate_bytes": need, "free_bytes": free})
-    if need > free and not ignore_disk:
-        raise EaglenestError(f"not enough disk at {out}: need ~{human_bytes(need)}, {human_bytes(free)} free (override: --ignore-disk)")
+    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk)
 
     failures = Failures()
     lengths = [len(s.input_ids) for s in samples]
     t0, stored, tokens, written = time.time(), 0, 0, 0
     bar = progress(total=todo_tokens, desc="capture", unit="tok", unit_scale=True)
+
+    def keep(batch: list[int], reqs: list[Request], handle) -> None:
+        """Validate one batch's results and write them as one shard."""
+        nonlocal stored, tokens, written
+        btoks = sum(lengths[i] for i in batch if samples[i].id not in done)
+        good, bad = [], []
+        for i, req, res in zip(batch, reqs, handle.result()):
+            s = samples[i]
+            if s.id in done:
+                continue
+            if isinstance(res, Captured):
+                res = check_echo(req.input_ids, res.input_ids, s.id) or res
+            if isinstance(res, Captured):
+                t = {
+                    "input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8),
+                    "aux_hidden_states": res.aux_hidden_states,
+                    "last_hidden_state": res.last_hidden_state,
+                }
+                why = validate_sample(t, meta)
+                if why is None:
+                    good.append((s.id, t))
+                    continue
+                res = Failure(s.id, why.split(":")[0], why)
+            bad.append(res)
+        try:
+            written += writer.write_batch(good)
+        except OSError as e:
+            raise EaglenestError(
+                f"writing to {out} failed ({e.strerror or e}); everything stored so far is intact: "
+                "free some space and re-run the same command to resume"
+            ) from None
+        stored += len(good)
+        tokens += btoks
+        for f in bad:
+            failures.record(f.reason, f.message, where=f"sample {f.id}", sample_id=f.id)
+        writer.record_failures({"id": f.id, "reason": f.reason, "message": f.message, "time": time.time()} for f in bad)
+        bar.update(btoks)
+        bar.set_postfix(samples=stored, failed=failures.total)
+        if max_failures is not None and failures.total > max_failures:
+            raise EaglenestError(f"stopping: {failures.total} failures exceed --max-failures {max_failures} ({failures.format()})")
+
     try:
+        pending = None
         for batch in plan_batches(lengths, batch_tokens):
             if all(samples[i].id in done for i in batch):
                 continue
-            btoks = sum(lengths[i] for i in batch if samples[i].id not in done)
             reqs = [Request(samples[i].id, list(samples[i].input_ids)) for i in batch]
-            results = engine.capture(reqs)
-            good, bad = [], []
-            for i, req, res in zip(batch, reqs, results):
-                s = samples[i]
-                if s.id in done:
-                    continue
-                if isinstance(res, Captured):
-                    res = check_echo(req.input_ids, res.input_ids, s.id) or res
-                if isinstance(res, Captured):
-                    t = {
-                        "input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
-                        "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8),
-                        "aux_hidden_states": res.aux_hidden_states,
-                        "last_hidden_state": res.last_hidden_state,
-                    }
-                    why = validate_sample(t, meta)
-                    if why is None:
-                        good.append((s.id, t))
-                        continue
-                    res = Failure(s.id, why.split(":")[0], why)
-                bad.append(res)
-            try:
-                written += writer.write_batch(good)
-            except OSError as e:
-                raise EaglenestError(
-                    f"writing to {out} failed ({e.strerror or e}); everything stored so far is intact: "
-                    "free some space and re-run the same command to resume"
-                ) from None
-            stored += len(good)
-            tokens += btoks
-            for f in bad:
-                failures.record(f.reason, f.message, where=f"sample {f.id}", sample_id=f.id)
-            writer.record_failures({"id": f.id, "reason": f.reason, "message": f.message, "time": time.time()} for f in bad)
-            bar.update(btoks)
-            bar.set_postfix(samples=stored, failed=failures.total)
-            if max_failures is not None and failures.total > max_failures:
-                raise EaglenestError(f"stopping: {failures.total} failures exceed --max-failures {max_failures} ({failures.format()})")
+            handle = engine.capture_async(reqs)  # started before the previous batch is stored: they overlap
+            if pending is not None:
+                keep(*pending)
+            pending = (batch, reqs, handle)
+        if pending is not None:
+            keep(*pending)
     finally:
         bar.close()
     dt = time.time() - t0

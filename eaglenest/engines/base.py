@@ -55,6 +55,16 @@ class EngineInfo:
     extra: dict = field(default_factory=dict)
 
 
+class CaptureHandle:
+    """What `Engine.capture_async` returns; `result()` gives what `capture` would have."""
+
+    def __init__(self, results: list[Captured | Failure]):
+        self._results = results
+
+    def result(self) -> list[Captured | Failure]:
+        return self._results
+
+
 class Engine(ABC):
     name: str = "?"
 
@@ -63,6 +73,11 @@ class Engine(ABC):
 
     @abstractmethod
     def capture(self, batch: list[Request]) -> list[Captured | Failure]: ...
+
+    def capture_async(self, batch: list[Request]) -> CaptureHandle:
+        """Start a batch; `capture` calls the next one before reading this one's result, so an
+        engine that can (hf on CUDA) overlaps this batch's transfer with the next one's compute."""
+        return CaptureHandle(self.capture(batch))
 
     def generate(
         self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0

@@ -3,8 +3,9 @@
 Capture keeps only what EAGLE-3 needs: forward pre-hooks on the three aux decoder layers copy
 the residual stream *entering* them (= HF hidden_states[k], capture-before), and the base
 model's output is the post-norm final state; lm_head is never run and the other layers' states
-are never materialized.  On CUDA, states are shipped to pinned host buffers with non-blocking
-copies so the next batch's prefill overlaps the transfer.
+are never materialized.  On CUDA, the states go to two pinned host buffers that are reused batch
+after batch, copied on a side stream: batch i's copy runs while batch i+1 is computed, and the
+host waits on batch i's event only when it reads batch i (or reuses its buffer unread).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from eaglenest.capture.layers import parse_layer_ids
-from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request
+from eaglenest.engines.base import Captured, CaptureHandle, Engine, EngineInfo, Failure, Generated, Request
 from eaglenest.models.target import decoder_layers, eos_token_ids, load_target, resolve_model_path, target_fingerprint
 
 NAME = "hf"
@@ -33,10 +34,94 @@ def create(args) -> "HFEngine":
     )
 
 
+class CudaCopies:
+    """The CUDA half of HostStaging: pinned buffers, copies on a side stream, events."""
+
+    def __init__(self, device: str):
+        self.stream = torch.cuda.Stream(device)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        ready = torch.cuda.Event()
+        ready.record()  # after the forward that produced the sources, on the compute stream
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.stream)  # the allocator must not give src to the next forward before this copy
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+
+class HostCopies:
+    """HostStaging's operations for a model on the CPU: plain copies, nothing to wait for."""
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        return None
+
+    def wait(self, event) -> None:
+        pass
+
+
+class HostStaging:
+    """Host buffers for captured states, reused round-robin (`slots` of them, grown when a batch
+    needs more).  `ops` does the device part (CudaCopies / HostCopies, or a test's recorder)."""
+
+    def __init__(self, ops, slots: int = 2):
+        self.ops = ops
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.unread: list[PendingCapture | None] = [None] * slots
+        self.next = 0
+
+    def stage(self, tensors: list[torch.Tensor], build) -> "PendingCapture":
+        """Queue copies of `tensors` into the next slot; `build(host_views)` makes the result once they landed."""
+        k = self.next
+        self.next = (k + 1) % len(self.bufs)
+        if self.unread[k] is not None:  # reused before its batch was read: read it now (waits on its event)
+            self.unread[k].result()
+        need = sum(t.numel() for t in tensors)
+        buf = self.bufs[k]
+        if buf is None or buf.numel() < need or buf.dtype != tensors[0].dtype:
+            buf = self.bufs[k] = self.ops.empty(max(need, 0 if buf is None else 2 * buf.numel()), tensors[0].dtype)
+        views, off = [], 0
+        for t in tensors:
+            views.append(buf[off : off + t.numel()].view(t.shape))
+            off += t.numel()
+        pending = PendingCapture(self, k, views, self.ops.copy(list(zip(views, tensors))), build)
+        self.unread[k] = pending
+        return pending
+
+
+class PendingCapture(CaptureHandle):
+    def __init__(self, staging: HostStaging, slot: int, views, event, build):
+        super().__init__(None)
+        self._staging, self._slot, self._views, self._event, self._build = staging, slot, views, event, build
+
+    def result(self):
+        if self._results is None:
+            self._staging.ops.wait(self._event)
+            self._results = self._build(self._views)  # copies out of the slot: it can be reused after this
+            if self._staging.unread[self._slot] is self:
+                self._staging.unread[self._slot] = None
+            self._views = None
+        return self._results
+
+
 class HFEngine(Engine):
     name = NAME
 
-    def __init__(self, model, layers="auto", dtype="bf16", device="auto", trust_remote_code=False, model_obj=None):
+    def __init__(self, model, layers="auto", dtype="bf16", device="auto", trust_remote_code=False, model_obj=None, host_ops=None):
         from eaglenest.utils import resolve_device
 
         self.device = resolve_device(device)
@@ -46,6 +131,7 @@ class HFEngine(Engine):
         self.num_layers = cfg.num_hidden_layers
         self.layer_ids = parse_layer_ids(layers, self.num_layers)
         self.base = self.model.get_decoder()
+        self.staging = HostStaging(host_ops or (CudaCopies(self.device) if self.device.startswith("cuda") else HostCopies()))
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [
             decoder_layers(self.model)[k].register_forward_pre_hook(self._make_hook(k), with_kwargs=True)
@@ -72,12 +158,14 @@ class HFEngine(Engine):
 
     def _pad(self, seqs: list[list[int]]):
         T = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        att = torch.zeros(len(seqs), T, dtype=torch.long)
+        cuda = self.device.startswith("cuda")
+        ids = torch.zeros(len(seqs), T, dtype=torch.long, pin_memory=cuda)
+        att = torch.zeros(len(seqs), T, dtype=torch.long, pin_memory=cuda)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             att[i, : len(s)] = 1
-        return ids.to(self.device), att.to(self.device)
+        # pinned + non-blocking: a pageable copy would wait for the previous batch's forward to finish
+        return ids.to(self.device, non_blocking=cuda), att.to(self.device, non_blocking=cuda)
 
     @torch.inference_mode()
     def forward_states(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +178,10 @@ class HFEngine(Engine):
         return aux, out.last_hidden_state
 
     def capture(self, batch: list[Request]) -> list[Captured | Failure]:
+        return self.capture_async(batch).result()
+
+    def capture_async(self, batch: list[Request]) -> CaptureHandle:
+        """Run the batch's forward and queue its states' copy to the host; `result()` waits for them."""
         vocab = self.model.config.vocab_size
         results: list[Captured | Failure | None] = [None] * len(batch)
         ok = []
@@ -100,24 +192,18 @@ class HFEngine(Engine):
                 results[i] = Failure(r.id, "token_out_of_vocab", f"token id outside [0, {vocab})")
             else:
                 ok.append(i)
-        if ok:
-            aux, last = self.forward_states([batch[i].input_ids for i in ok])
-            pinned = self.device.startswith("cuda")
-            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=pinned)
-            last_h = torch.empty(last.shape, dtype=last.dtype, pin_memory=pinned)
-            aux_h.copy_(aux, non_blocking=pinned)
-            last_h.copy_(last, non_blocking=pinned)
-            if pinned:
-                torch.cuda.current_stream().synchronize()
+        if not ok:
+            return CaptureHandle(results)  # type: ignore[arg-type]
+
+        def build(views):
+            aux_h, last_h = views
             for j, i in enumerate(ok):
                 T = len(batch[i].input_ids)
-                results[i] = Captured(
-                    batch[i].id,
-                    torch.tensor(batch[i].input_ids),  # in-process: exactly what we ran
-                    aux_h[j, :T].clone(),
-                    last_h[j, :T].clone(),
-                )
-        return results  # type: ignore[return-value]
+                # in-process: the ids are exactly what we ran; clones, so the slot can be reused
+                results[i] = Captured(batch[i].id, torch.tensor(batch[i].input_ids), aux_h[j, :T].clone(), last_h[j, :T].clone())
+            return results
+
+        return self.staging.stage(list(self.forward_states([batch[i].input_ids for i in ok])), build)
 
     @torch.inference_mode()
     def generate(self, batch: list[Request], max_new_tokens: int, temperature: float = 0.0, seed: int = 0, max_batch: int = 32):

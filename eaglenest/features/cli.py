@@ -1,12 +1,16 @@
-"""`eaglenest features verify|info FEAT_DIR`."""
+"""`eaglenest features verify|info|stats|convert|merge`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("features", help="inspect or verify a feature store", description="Inspect or verify a feature store.")
+    from eaglenest.features.store import STORE_DTYPES
+
+    p = sub.add_parser("features", help="inspect, verify, convert or merge feature stores",
+                       description="Inspect, verify, convert or merge feature stores.")
     fsub = p.add_subparsers(dest="features_command", metavar="ACTION", required=True)
     v = fsub.add_parser(
         "verify",
@@ -20,6 +24,41 @@ def register(sub) -> None:
     i = fsub.add_parser("info", help="print store metadata and counts")
     i.add_argument("store", help="feature store directory")
     i.set_defaults(func=_info)
+    s = fsub.add_parser(
+        "stats",
+        help="samples, tokens, bytes, dtype, layers, target, failures",
+        description="Samples, tokens, bytes on disk (and per token), store dtype, layer ids, target fingerprint and "
+        "the failures still open (samples that failed capture and are not stored yet), by reason.",
+    )
+    s.add_argument("store", help="feature store directory")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.set_defaults(func=_stats)
+    c = fsub.add_parser(
+        "convert",
+        help="re-encode a store into another store dtype (e.g. fp8)",
+        description="Write a copy of STORE in another store dtype (fp8: float8 e4m3 with a power-of-two scale per token "
+        "and per layer, half the bytes of bf16; fp8-aux: only the aux states in fp8). Every source checksum is "
+        "checked on the way; the output is an ordinary store (manifest, checksums, `verify`); re-running the "
+        "same command after an interruption finishes it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    c.add_argument("store", help="source feature store directory")
+    c.add_argument("--store-dtype", required=True, choices=sorted(STORE_DTYPES), help="dtype of the new store")
+    c.add_argument("--out", required=True, help="new feature store directory (created or resumed)")
+    c.add_argument("--ignore-disk", action="store_true", help="start even if the size estimate exceeds free space")
+    c.set_defaults(func=_convert)
+    m = fsub.add_parser(
+        "merge",
+        help="merge stores captured on several machines into one",
+        description="Merge stores of the same target, layer ids, convention, norm flag and store dtype (refused by "
+        "name otherwise) into one. Every source checksum is checked; a sample id held by several stores is kept "
+        "from the first (counted); failures not stored anywhere are carried over; resumable.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m.add_argument("stores", nargs="+", help="feature store directories (two or more)")
+    m.add_argument("--out", required=True, help="merged feature store directory (created or resumed)")
+    m.add_argument("--ignore-disk", action="store_true", help="start even if the size estimate exceeds free space")
+    m.set_defaults(func=_merge)
 
 
 def _verify(args) -> int:
@@ -42,3 +81,39 @@ def _info(args) -> int:
     fs = FeatureStore(args.store)
     print(json.dumps({**fs.meta.to_dict(), "samples": len(fs), "tokens": fs.n_tokens, "bytes": fs.bytes_on_disk()}, indent=2))
     return 0
+
+
+def _stats(args) -> int:
+    from eaglenest.features.ops import stats
+    from eaglenest.utils import human_bytes
+
+    st = stats(args.store)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    rows = [
+        ("samples", f"{st['samples']:,} in {st['shards']:,} shards"),
+        ("tokens", f"{st['tokens']:,}" + (f" (per sample {st['sample_tokens']['min']}-{st['sample_tokens']['max']}, mean {st['sample_tokens']['mean']})" if st["sample_tokens"] else "")),
+        ("bytes", f"{human_bytes(st['bytes'])} ({st['bytes_per_token']} per token)"),
+        ("dtype", st["dtype"]),
+        ("hidden / layers", f"{st['hidden_size']} / {st['num_layers']}, aux layer ids {st['layer_ids']} (capture-before), final state {st['final_norm']}-norm"),
+        ("target", f"{st['target']} (fingerprint {st['target_fingerprint']}, engine {st['engine']})"),
+        ("failures", f"{st['failures']} not stored" + (f": {', '.join(f'{k} {v}' for k, v in st['failures_by_reason'].items())}" if st["failures"] else "")),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k.ljust(w)}  {v}" for k, v in rows))
+    return 0
+
+
+def _convert(args) -> int:
+    from eaglenest.features.ops import convert
+
+    s = convert(args.store, args.out, args.store_dtype, ignore_disk=args.ignore_disk)
+    return 1 if s.damaged else 0
+
+
+def _merge(args) -> int:
+    from eaglenest.features.ops import merge
+
+    s = merge(args.stores, args.out, ignore_disk=args.ignore_disk)
+    return 1 if s.damaged else 0

@@ -6,7 +6,10 @@ Layout of FEAT_DIR:
     shards/NNNNNN-<rand>.safetensors
                       one file per capture batch; sample k's tensors are named
                       `k.input_ids` (int32 [T]), `k.loss_mask` (uint8 [T]),
-                      `k.aux_hidden_states` ([T, 3H]), `k.last_hidden_state` ([T, H])
+                      `k.aux_hidden_states` ([T, 3H]), `k.last_hidden_state` ([T, H]);
+                      in an fp8 store a state is float8 e4m3 codes plus `<name>_exp` (int8
+                      [T, layers]): value = code * 2**exp, one power-of-two scale per token and
+                      per layer (see "Store dtypes" below)
     manifest.jsonl    one line per stored sample: {id, shard, key, n_tokens, sha256};
                       appended (and fsynced) only after its shard is durable on disk
     failures.jsonl    samples that failed capture, with reasons (retried on the next run)
@@ -14,6 +17,13 @@ Layout of FEAT_DIR:
 Durability: a shard is written to a temp name, fsynced and renamed, *then* its manifest lines are
 appended.  A kill at any point leaves either a complete sample or nothing (an orphan shard that
 the next run deletes); the manifest is the only source of truth, so there are never duplicates.
+
+Store dtypes (`store.json: dtype`): bf16 / fp16 / fp32 keep both states as captured; fp8 keeps both
+in float8 e4m3 (half the bytes), fp8-aux only the aux states (the final state, which feeds the
+teacher's logits, stays bf16).  Scales are powers of two: they only move e4m3's exponent range
+(its relative precision is the same at any scale), and decoding is then exact in bf16 and a few
+integer operations (fast on a CPU: see fp8_decode).  Readers always get the decoded
+bf16 tensors; verify/convert/merge work on the stored ones.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
@@ -41,7 +52,17 @@ from eaglenest.utils import (
 
 FORMAT_VERSION = 1
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+STATES = {"aux_hidden_states": 3, "last_hidden_state": 1}  # state -> layers it concatenates
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + per-token, per-layer exponents
+STORE_DTYPES = {
+    "bf16": ("bf16", "bf16"),
+    "fp16": ("fp16", "fp16"),
+    "fp32": ("fp32", "fp32"),
+    "fp8": ("fp8", "fp8"),
+    "fp8-aux": ("fp8", "bf16"),
+}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # metadata fields that must agree between a store and the run that appends to it
 IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype")
 
@@ -54,7 +75,7 @@ class StoreMeta:
     num_layers: int
     layer_ids: list[int]  # capture-before convention
     final_norm: str  # "post": last_hidden_state is after the final norm; "pre": before it
-    dtype: str  # bf16 | fp32 | fp16
+    dtype: str  # a STORE_DTYPES key: bf16 | fp32 | fp16 | fp8 | fp8-aux
     engine: str
     convention: str = "capture-before"
     vocab_size: int | None = None
@@ -68,21 +89,90 @@ class StoreMeta:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def sample_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over the raw bytes of the sample's tensors in a fixed order."""
-    return sha256_bytes(*(tensors[n].contiguous().view(torch.uint8).numpy().tobytes() for n in TENSORS))
+def stored_names(dtype: str) -> tuple[str, ...]:
+    """The tensors a sample keeps on disk, in checksum order (bf16 stores: exactly TENSORS)."""
+    enc = dict(zip(STATES, STORE_DTYPES[dtype]))
+    return tuple(x for n in TENSORS for x in ((n, f"{n}_exp") if enc.get(n) == "fp8" else (n,)))
+
+
+def sample_checksum(tensors: dict[str, torch.Tensor], dtype: str = "bf16") -> str:
+    """sha256 over the raw bytes of the sample's stored tensors in a fixed order."""
+    return sha256_bytes(*(tensors[n].contiguous().view(torch.uint8).numpy().tobytes() for n in stored_names(dtype)))
+
+
+def fp8_encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, L*H] -> (e4m3 codes [T, L*H], int8 exponents [T, L]) with x ~= code * 2**exp.
+    The exponent puts each token's and layer's absmax in (224, 448]; codes that would be e4m3
+    subnormals (below ~absmax / 2**14) are written as zero, so the decoder needs no special case."""
+    T = x.shape[0]
+    v = x.float().view(T, layers, x.shape[1] // layers)
+    amax = v.abs().amax(-1)
+    exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_(-119, 119).nan_to_num_(0.0)  # log2(0) = -inf -> -119
+    y = (v * torch.exp2(-exp)[:, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # exact: a power of two
+    b = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    b = torch.where((b & 0x78) == 0, b & 0x80, b)  # exponent field 0: +-0 or a subnormal -> +-0
+    return b.view(torch.float8_e4m3fn).view(x.shape), exp.to(torch.int8)
+
+
+def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """(e4m3 codes [T, L*H], int8 exponents [T, L]) -> bf16 [T, L*H], exactly code * 2**exp.
+    Bit arithmetic on int16: bf16 = sign | (e4m3 exponent+mantissa << 4) + (120 + exp) << 7, with
+    +-0 kept zero; a few rows at a time so the temporaries stay in cache.  Several times faster on
+    a CPU core than torch's own fp8 -> bf16 cast, which would be a loader worker's whole budget."""
+    T, L = exp.shape
+    c = codes.contiguous().view(torch.int8).numpy().reshape(T, L, codes.shape[1] // L)  # int8: the sign bit sign-extends
+    off = ((120 + exp.numpy().astype(np.int16)) << 7)[:, :, None]
+    out = np.empty(c.shape, dtype=np.int16)
+    rows = max(1, 2**17 // max(1, codes.shape[1]))
+    a = np.empty((min(rows, T),) + c.shape[1:], dtype=np.int16)
+    nz = np.empty(a.shape, dtype=bool)
+    for s in range(0, T, rows):
+        n = min(rows, T - s)
+        aa, r, z = a[:n], out[s : s + n], nz[:n]
+        aa[...] = c[s : s + n]
+        np.bitwise_and(aa, 0x7F, out=r)
+        np.not_equal(r, 0, out=z)
+        r <<= 4
+        r += off[s : s + n]
+        r *= z
+        aa &= -32768  # the sign bit
+        r |= aa
+    return torch.from_numpy(out.reshape(codes.shape)).view(torch.bfloat16)
+
+
+def encode_sample(t: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """A captured sample's tensors -> what the store keeps (stored_names(dtype))."""
+    out = {"input_ids": t["input_ids"].to(torch.int32).cpu().contiguous(), "loss_mask": t["loss_mask"].to(torch.uint8).cpu().contiguous()}
+    for (name, layers), enc in zip(STATES.items(), STORE_DTYPES[dtype]):
+        x = t[name].cpu()
+        if enc == "fp8":
+            out[name], out[f"{name}_exp"] = fp8_encode(x, layers)
+        else:
+            out[name] = x.to(DTYPES[enc]).contiguous()
+    return out
+
+
+def decode_sample(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored tensors -> the four TENSORS (fp8 states as exact bf16)."""
+    return {n: fp8_decode(raw[n], raw[f"{n}_exp"]) if f"{n}_exp" in raw else raw[n] for n in TENSORS if n in raw}
 
 
 def validate_sample(t: dict[str, torch.Tensor], meta: StoreMeta) -> str | None:
-    """Return why a captured sample is unusable, or None."""
+    """Return why a captured (or decoded) sample is unusable, or None."""
     T = t["input_ids"].shape[0]
     H = meta.hidden_size
     expect = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "last_hidden_state": (T, H)}
+    expect.update({f"{n}_exp": (T, layers) for n, layers in STATES.items() if f"{n}_exp" in t})
     for name, shape in expect.items():
         if tuple(t[name].shape) != shape:
             return f"bad_shape: {name} {tuple(t[name].shape)} != {shape}"
-    for name in ("aux_hidden_states", "last_hidden_state"):
-        if not torch.isfinite(t[name].float()).all():
+    for name in STATES:
+        x = t[name]
+        if x.dtype == torch.float8_e4m3fn:  # e4m3fn has no Inf; NaN is the code x1111111
+            bad = bool(((x.view(torch.uint8) & 0x7F) == 0x7F).any())
+        else:
+            bad = not bool(torch.isfinite(x).all())
+        if bad:
             return f"non_finite: {name} has NaN/Inf"
     return None
 
@@ -93,6 +183,8 @@ class FeatureWriter:
     def __init__(self, root: Path | str, meta: StoreMeta):
         self.root = Path(root)
         self.meta = meta
+        if meta.dtype not in STORE_DTYPES:
+            raise EaglenestError(f"unknown store dtype {meta.dtype!r} (one of: {', '.join(STORE_DTYPES)})")
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         existing = self.root / "store.json"
         if existing.exists():
@@ -125,23 +217,20 @@ class FeatureWriter:
             if f.name not in referenced:
                 f.unlink(missing_ok=True)
 
-    def write_batch(self, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> int:
-        """Write one shard with these (id, tensors) samples; returns the bytes written."""
+    def write_batch(self, samples: list[tuple[str, dict[str, torch.Tensor]]], encoded: bool = False) -> int:
+        """Write one shard with these (id, tensors) samples; returns the bytes written.
+        `encoded`: the tensors are already in this store's stored form (convert/merge)."""
         samples = [(sid, t) for sid, t in samples if sid not in self.done]
         if not samples:
             return 0
         tensors, rows = {}, []
         name = f"{len(self.entries):09d}-{secrets.token_hex(4)}.safetensors"
         for k, (sid, t) in enumerate(samples):
-            t = {
-                "input_ids": t["input_ids"].to(torch.int32).cpu().contiguous(),
-                "loss_mask": t["loss_mask"].to(torch.uint8).cpu().contiguous(),
-                "aux_hidden_states": t["aux_hidden_states"].to(DTYPES[self.meta.dtype]).cpu().contiguous(),
-                "last_hidden_state": t["last_hidden_state"].to(DTYPES[self.meta.dtype]).cpu().contiguous(),
-            }
-            for n in TENSORS:
+            t = t if encoded else encode_sample(t, self.meta.dtype)
+            for n in stored_names(self.meta.dtype):
                 tensors[f"{k}.{n}"] = t[n]
-            rows.append({"id": sid, "shard": name, "key": str(k), "n_tokens": int(t["input_ids"].shape[0]), "sha256": sample_checksum(t)})
+            rows.append({"id": sid, "shard": name, "key": str(k), "n_tokens": int(t["input_ids"].shape[0]),
+                         "sha256": sample_checksum(t, self.meta.dtype)})
         data = st_save(tensors, metadata={"format": "eaglenest-features", "version": str(FORMAT_VERSION)})
         atomic_write_bytes(self.root / "shards" / name, data)  # durable before the manifest names it
         append_jsonl_durable(self.manifest_path, rows)
@@ -155,14 +244,35 @@ class FeatureWriter:
             append_jsonl_durable(self.root / "failures.jsonl", rows)
 
 
+class Shard:
+    """One open shard.  `get_tensor(name)` returns what readers consume (fp8 states decoded to
+    bf16), so every read path -- collate, prefetching workers, `fs[i]` -- gets the same values;
+    `get_stored(name)` returns the bytes as kept (checksums, convert, merge)."""
+
+    def __init__(self, path: Path):
+        self._h = safe_open(str(path), framework="pt")
+
+    def get_stored(self, name: str) -> torch.Tensor:
+        return self._h.get_tensor(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        x = self._h.get_tensor(name)
+        if x.dtype == torch.float8_e4m3fn:
+            return fp8_decode(x, self._h.get_tensor(f"{name}_exp"))
+        return x
+
+
 class FeatureStore:
-    """Read-only view: `len(fs)`, `fs[i]` -> dict(id, input_ids, loss_mask, aux_hidden_states, last_hidden_state)."""
+    """Read-only view: `len(fs)`, `fs[i]` -> dict(id, input_ids, loss_mask, aux_hidden_states, last_hidden_state);
+    the states come back as captured (bf16/fp16/fp32 stores) or decoded to bf16 (fp8 stores)."""
 
     def __init__(self, root: Path | str):
         self.root = Path(root)
         if not (self.root / "store.json").exists():
             raise EaglenestError(f"{self.root} is not a feature store (no store.json); run `eaglenest capture` first")
         self.meta = StoreMeta.from_dict(read_json(self.root / "store.json", "store metadata"))
+        if self.meta.dtype not in STORE_DTYPES:
+            raise EaglenestError(f"{self.root}/store.json: unknown store dtype {self.meta.dtype!r} (one of: {', '.join(STORE_DTYPES)})")
         self.entries = read_jsonl_tolerant(self.root / "manifest.jsonl")
         self._handles: dict[str, object] = {}
 
@@ -197,14 +307,21 @@ class FeatureStore:
             path = self.root / "shards" / shard
             if not path.exists():
                 raise EaglenestError(f"{path}: shard named in the manifest is missing (run `eaglenest features verify`)")
-            h = safe_open(str(path), framework="pt")
+            h = Shard(path)
             self._handles[shard] = h
         return h
 
     def load_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i's four TENSORS as readers get them (decoded)."""
         e = self.entries[i]
         h = self._open(e["shard"])
         return {n: h.get_tensor(f"{e['key']}.{n}") for n in TENSORS}
+
+    def load_stored(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i's tensors as kept on disk (stored_names of the store's dtype)."""
+        e = self.entries[i]
+        h = self._open(e["shard"])
+        return {n: h.get_stored(f"{e['key']}.{n}") for n in stored_names(self.meta.dtype)}
 
     def __getitem__(self, i: int) -> dict:
         if not -len(self) <= i < len(self):
@@ -223,7 +340,7 @@ class FeatureStore:
         problems = []
         for i, e in enumerate(self.entries):
             try:
-                t = self.load_tensors(i)
+                t = self.load_stored(i)
             except EaglenestError as err:
                 problems.append({"id": e["id"], "shard": e["shard"], "reason": str(err)})
                 continue
@@ -232,7 +349,7 @@ class FeatureStore:
                 self._handles.pop(e["shard"], None)
                 continue
             why = validate_sample(t, self.meta) if t["input_ids"].shape[0] == e["n_tokens"] else "token count differs from manifest"
-            if why is None and sample_checksum(t) != e["sha256"]:
+            if why is None and sample_checksum(t, self.meta.dtype) != e["sha256"]:
                 why = "checksum mismatch"
             if why:
                 problems.append({"id": e["id"], "shard": e["shard"], "reason": why})
@@ -254,10 +371,17 @@ class FeatureStore:
         return sum(f.stat().st_size for f in (self.root / "shards").glob("*.safetensors"))
 
 
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: 3H aux + H final (+ one int8 exponent per layer in fp8), ids (int32), mask (uint8)."""
+    n = 4 + 1
+    for layers, enc in zip(STATES.values(), STORE_DTYPES[dtype]):
+        n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers if enc == "fp8" else 0)
+    return n
+
+
 def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str) -> int:
-    """Disk needed for n_tokens: 3H aux + H final in `dtype`, plus ids (int32) and mask (uint8)."""
-    per_tok = 4 * hidden_size * DTYPES[dtype].itemsize + 4 + 1
-    return int(n_tokens * per_tok * 1.01) + 4096
+    """Disk needed for n_tokens (1 % for safetensors headers and the manifest)."""
+    return int(n_tokens * bytes_per_token(hidden_size, dtype) * 1.01) + 4096
 
 
 def free_bytes(path: Path) -> int:

@@ -1,0 +1,246 @@
+"""Compact (fp8) stores, convert / stats / merge, and the capture plan for a Kimi-K2.5-shaped
+target: on real SmolLM2 features where values matter, a config-only target where only sizes do."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from eaglenest.cli import main
+from eaglenest.features import FeatureStore
+from eaglenest.features.store import bytes_per_token, fp8_decode, fp8_encode
+
+
+@pytest.fixture(scope="module")
+def smol_store(smollm2, smol_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feat") / "bf16"
+    assert main(["capture", "--model", str(smollm2), "--data", str(smol_data), "--out", str(out), "--batch-tokens", "1024", "--device", "cpu"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_store(smol_store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feat") / "fp8"
+    assert main(["features", "convert", str(smol_store), "--store-dtype", "fp8", "--out", str(out)]) == 0
+    return out
+
+
+def _refused(argv, capsys) -> str:
+    """Run the CLI, expect the one-line error (exit 2), return it."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_fp8_codec_is_exact_in_bf16_and_within_e4m3_precision():
+    g = torch.Generator().manual_seed(0)
+    # 3 layers per token, magnitudes from 1e-4 to 1e4 across tokens, one layer of a token all zero,
+    # a massive-activation channel, and values that land exactly on the top of the e4m3 range
+    x = torch.randn(64, 3 * 96, generator=g) * torch.logspace(-4, 4, 64)[:, None]
+    x[5, 96:192] = 0
+    x[7, 3] = 3e4
+    x[9, :] = 448.0
+    x = x.bfloat16()
+    codes, exp = fp8_encode(x, 3)
+    assert codes.dtype == torch.float8_e4m3fn and exp.dtype == torch.int8 and exp.shape == (64, 3)
+    b = codes.view(torch.uint8)
+    assert not ((b & 0x7F) == 0x7F).any()  # no NaN code
+    assert not (((b & 0x78) == 0) & ((b & 0x07) != 0)).any()  # no subnormal code (the decoder relies on it)
+    y = fp8_decode(codes, exp)
+    ref = (codes.float().view(64, 3, 96) * torch.exp2(exp.float())[:, :, None]).view(64, -1)
+    assert y.dtype == torch.bfloat16 and torch.equal(y.float(), ref)  # exact: a power-of-two scale
+    xf, yf = x.float(), y.float()
+    big = xf.abs() >= xf.view(64, 3, 96).abs().amax(-1, keepdim=True).expand(64, 3, 96).reshape(64, -1) / 2**12
+    assert ((yf - xf).abs() <= xf.abs() * 2**-4 + 1e-30)[big].all()  # 3 mantissa bits: half an ulp
+    assert torch.equal(y[5, 96:192], torch.zeros(96, dtype=torch.bfloat16)) and torch.equal(y[9], x[9])
+
+
+def test_fp8_store_reads_decoded_on_every_read_path(smol_store, fp8_store):
+    from eaglenest.train.data import collate
+
+    src, fs = FeatureStore(smol_store), FeatureStore(fp8_store)
+    assert fs.meta.dtype == "fp8" and len(fs) == len(src) == 24 and fs.verify() == []
+    assert fs.ids() == src.ids() and fs.lengths() == src.lengths()
+    st = json.loads((fp8_store / "store.json").read_text())
+    assert {k: v for k, v in st.items() if k != "dtype"} == {k: v for k, v in json.loads((smol_store / "store.json").read_text()).items() if k != "dtype"}
+    # on disk: half of bf16's bytes (F8_E4M3 tensors in the shards)
+    ratio = fs.bytes_on_disk() / src.bytes_on_disk()
+    assert ratio <= 0.55, ratio
+    assert bytes_per_token(576, "fp8") / bytes_per_token(576, "bf16") <= 0.55
+    header = (fp8_store / "shards" / fs.entries[0]["shard"]).read_bytes()[:4096]
+    assert b'"F8_E4M3"' in header and b'"I8"' in header
+    for i in (0, 11, 23):
+        a, b = src[i], fs[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            assert b[name].dtype == torch.bfloat16 and b[name].shape == a[name].shape
+            cos = torch.nn.functional.cosine_similarity(a[name].float(), b[name].float(), dim=-1)
+            assert cos.min() > 0.998, (name, cos.min())
+        # the shard handle (what collate and the trainer's mask/vocab reads use) decodes too
+        e = fs.entries[i]
+        assert torch.equal(fs._open(e["shard"]).get_tensor(f"{e['key']}.aux_hidden_states"), b["aux_hidden_states"])
+    batch = collate(fs, [0, 1, 2])
+    assert batch.aux.dtype == torch.bfloat16 and batch.aux.shape[-1] == 3 * 576 and batch.last.shape[-1] == 576
+
+
+def test_fp8_capture_equals_convert_and_damage_is_detected(smollm2, smol_data, fp8_store, tmp_path):
+    out = tmp_path / "cap8"
+    assert main(["capture", "--model", str(smollm2), "--data", str(smol_data), "--out", str(out), "--batch-tokens", "1024",
+                 "--device", "cpu", "--store-dtype", "fp8"]) == 0
+    a, b = FeatureStore(out), FeatureStore(fp8_store)
+    assert a.meta.dtype == "fp8" and sorted(a.ids()) == sorted(b.ids())
+    by_id = {sid: i for i, sid in enumerate(b.ids())}
+    for i, sid in enumerate(a.ids()):  # the same bf16 states encode to the same bytes
+        ra, rb = a.load_stored(i), b.load_stored(by_id[sid])
+        assert set(ra) == set(rb) == {"input_ids", "loss_mask", "aux_hidden_states", "aux_hidden_states_exp",
+                                      "last_hidden_state", "last_hidden_state_exp"}
+        for n in ra:
+            assert torch.equal(ra[n].view(torch.uint8), rb[n].view(torch.uint8)), (sid, n)
+    assert a.entries[0]["sha256"] == b.entries[by_id[a.ids()[0]]]["sha256"]
+    # a flipped bit in an fp8 shard is found by verify
+    shutil.copytree(out, tmp_path / "dmg")
+    victim = a.entries[3]
+    p = tmp_path / "dmg" / "shards" / victim["shard"]
+    data = bytearray(p.read_bytes())
+    data[-50] ^= 0x01
+    p.write_bytes(bytes(data))
+    problems = FeatureStore(tmp_path / "dmg").verify()
+    assert problems and {x["shard"] for x in problems} == {victim["shard"]}
+    assert main(["features", "verify", str(tmp_path / "dmg")]) == 1
+
+
+def test_convert_resumes_after_an_interruption(smol_store, fp8_store, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from eaglenest.features.store import FeatureWriter
+
+    real, calls = FeatureWriter.write_batch, {"n": 0}
+
+    def dies(self, samples, encoded=False):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.EIO, "killed")
+        return real(self, samples, encoded)
+
+    monkeypatch.setattr(FeatureWriter, "write_batch", dies)
+    out = tmp_path / "conv"
+    assert "re-run the same command to resume" in _refused(["features", "convert", str(smol_store), "--store-dtype", "fp8", "--out", str(out)], capsys)
+    part = len(FeatureStore(out))
+    assert 0 < part < 24
+    monkeypatch.setattr(FeatureWriter, "write_batch", real)
+    assert main(["features", "convert", str(smol_store), "--store-dtype", "fp8", "--out", str(out)]) == 0
+    a, b = FeatureStore(out), FeatureStore(fp8_store)
+    assert a.ids() == b.ids() and [e["sha256"] for e in a.entries] == [e["sha256"] for e in b.entries] and a.verify() == []
+    assert "already holds dtype fp8" in _refused(["features", "convert", str(fp8_store), "--store-dtype", "fp8", "--out", str(tmp_path / "again")], capsys)
+    # back to bf16: exactly the decoded values
+    assert main(["features", "convert", str(fp8_store), "--store-dtype", "bf16", "--out", str(tmp_path / "back")]) == 0
+    back = FeatureStore(tmp_path / "back")
+    assert torch.equal(back[4]["aux_hidden_states"], b[4]["aux_hidden_states"])
+
+
+def test_stats(smol_store, fp8_store, capsys, tmp_path):
+    shutil.copytree(smol_store, tmp_path / "s")
+    (tmp_path / "s" / "failures.jsonl").write_text(
+        json.dumps({"id": "gone", "reason": "timeout"}) + "\n" + json.dumps({"id": FeatureStore(smol_store).ids()[0], "reason": "timeout"}) + "\n")
+    assert main(["features", "stats", str(tmp_path / "s"), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    fs = FeatureStore(smol_store)
+    assert st["samples"] == 24 and st["tokens"] == fs.n_tokens == sum(fs.lengths()) and st["bytes"] == fs.bytes_on_disk()
+    assert st["dtype"] == "bf16" and st["layer_ids"] == [2, 15, 27] and st["num_layers"] == 30 and st["hidden_size"] == 576
+    assert st["target_fingerprint"] == fs.meta.target_fingerprint
+    assert st["failures"] == 1 and st["failures_by_reason"] == {"timeout": 1}  # the stored one is not open any more
+    assert main(["features", "stats", str(fp8_store)]) == 0
+    out = capsys.readouterr().out
+    assert "fp8" in out and "24 in" in out and f"{fs.n_tokens:,}" in out
+
+
+def _split(store, tmp_path, keep_a, keep_b):
+    ids = FeatureStore(store).ids()
+    a, b = tmp_path / "A", tmp_path / "B"
+    tmp_path.mkdir(exist_ok=True)
+    for d, keep in ((a, keep_a), (b, keep_b)):
+        shutil.copytree(store, d)
+        FeatureStore(d).drop({ids[i] for i in range(len(ids)) if i not in keep})
+    return a, b
+
+
+def test_merge_stores_of_several_machines(smol_store, fp8_store, tiny_llama_dir, smol_data, tmp_path, capsys):
+    a, b = _split(smol_store, tmp_path, set(range(14)), set(range(12, 24)))  # ids 12, 13 on both
+    (b / "failures.jsonl").write_text(json.dumps({"id": "lost-on-B", "reason": "http_5xx"}) + "\n")
+    assert main(["features", "merge", str(a), str(b), "--out", str(tmp_path / "C")]) == 0
+    assert "2 duplicate ids kept from the first store (0 with different bytes)" in capsys.readouterr().err
+    c, src = FeatureStore(tmp_path / "C"), FeatureStore(smol_store)
+    assert sorted(c.ids()) == sorted(src.ids()) and c.verify() == []
+    ref = {sid: src.entries[i]["sha256"] for i, sid in enumerate(src.ids())}
+    assert all(e["sha256"] == ref[e["id"]] for e in c.entries)  # the bytes as captured
+    assert json.loads((tmp_path / "C" / "store.json").read_text()) == json.loads((smol_store / "store.json").read_text())
+    assert "lost-on-B" in (tmp_path / "C" / "failures.jsonl").read_text()
+    # a re-run has nothing left to do
+    assert main(["features", "merge", str(a), str(b), "--out", str(tmp_path / "C")]) == 0
+    assert len(FeatureStore(tmp_path / "C")) == 24
+    # fp8 stores merge the same way (codes and exponents copied as stored)
+    a8, b8 = _split(fp8_store, tmp_path / "fp8", set(range(10)), set(range(10, 24)))
+    assert main(["features", "merge", str(a8), str(b8), "--out", str(tmp_path / "C8")]) == 0
+    c8, src8 = FeatureStore(tmp_path / "C8"), FeatureStore(fp8_store)
+    assert c8.meta.dtype == "fp8" and c8.verify() == []
+    assert sorted((e["id"], e["sha256"]) for e in c8.entries) == sorted((e["id"], e["sha256"]) for e in src8.entries)
+    # refused by name: another dtype, another target, other layers
+    err = _refused(["features", "merge", str(a), str(fp8_store), "--out", str(tmp_path / "X")], capsys)
+    assert re.search(r"dtype: \S+ has 'bf16', \S+ has 'fp8'", err), err
+    other = tmp_path / "tiny"
+    assert main(["capture", "--model", str(tiny_llama_dir), "--data", str(smol_data), "--out", str(other), "--limit", "3", "--device", "cpu"]) == 0
+    err = _refused(["features", "merge", str(a), str(other), "--out", str(tmp_path / "X")], capsys)
+    assert re.search(r"target_fingerprint: .*hidden_size: \S+ has 576, \S+ has 64", err), err
+    layers = tmp_path / "tiny_layers"
+    assert main(["capture", "--model", str(tiny_llama_dir), "--data", str(smol_data), "--out", str(layers), "--limit", "3",
+                 "--device", "cpu", "--layers", "3,4,5"]) == 0
+    err = _refused(["features", "merge", str(other), str(layers), "--out", str(tmp_path / "X")], capsys)
+    assert re.search(r"layer_ids: \S+ has \[2, 4, 5\], \S+ has \[3, 4, 5\]", err) and "target_fingerprint" not in err, err
+    assert not (tmp_path / "X").exists()
+
+
+def test_merge_skips_damaged_source_samples(smol_store, tmp_path):
+    a, b = _split(smol_store, tmp_path, set(range(12)), set(range(12, 24)))
+    fb = FeatureStore(b)
+    p = b / "shards" / fb.entries[0]["shard"]
+    data = bytearray(p.read_bytes())
+    data[-30] ^= 0x10
+    p.write_bytes(bytes(data))
+    damaged = {x["id"] for x in fb.verify()}
+    assert damaged
+    assert main(["features", "merge", str(a), str(b), "--out", str(tmp_path / "C")]) == 1  # reported
+    c = FeatureStore(tmp_path / "C")
+    assert len(c) == 24 - len(damaged) and not damaged & set(c.ids()) and c.verify() == []
+
+
+def _config_only(tmp_path, hidden, layers):
+    d = tmp_path / f"cfg{hidden}"
+    d.mkdir()
+    # Kimi-K2.5's layout: a multimodal config whose text_config is the DeepSeek-V3-style language model
+    (d / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                                               "text_config": {"model_type": "kimi_k2", "hidden_size": hidden,
+                                                               "num_hidden_layers": layers, "vocab_size": 163840}}))
+    return d
+
+
+def test_dry_run_plans_a_kimi_shaped_capture_from_config_alone(tmp_path, capsys):
+    from eaglenest.features.store import free_bytes
+
+    kimi = _config_only(tmp_path, 7168, 61)
+    rc = main(["capture", "--model", str(kimi), "--out", str(tmp_path / "f"), "--dry-run", "--tokens", "17300000"])
+    err = capsys.readouterr().err
+    assert "17,300,000 tokens" in err and "61 layers, hidden 7168" in err
+    assert "bf16" in err and "57,349" in err and "924.0 GiB" in err  # 4 x 7168 x 2 + 5 bytes per token: the seed's 924 GB
+    assert "fp8" in err and "28,681" in err and "462.1 GiB" in err and "<- this run" in err.split("fp8")[1].splitlines()[0]
+    fits = free_bytes(tmp_path) >= 17_300_000 * 28_681 * 1.01
+    assert rc == (0 if fits else 1) and ("does NOT fit" in err) == (not fits)
+    assert "free at" in err and not (tmp_path / "f").exists()
+
+
+def test_capture_refuses_without_room_before_loading_weights(tmp_path, smol_data, capsys):
+    huge = _config_only(tmp_path, 2**30, 61)  # no weights in the directory: a load would fail differently
+    err = _refused(["capture", "--model", str(huge), "--data", str(smol_data), "--out", str(tmp_path / "f"), "--store-dtype", "bf16"], capsys)
+    assert re.search(r"not enough disk at \S+: [\d,]+ tokens in bf16 need ~[\d.]+ TiB", err), err
+    assert not (tmp_path / "f").exists()
