@@ -294,3 +294,38 @@ def test_each_rank_uses_every_server_starting_at_its_own():
             counts = [firsts.count(u) for u in urls]
             assert max(counts) - min(counts) <= 1  # ranks spread evenly over the servers, whichever is larger
     assert rank_urls(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_online_options_and_engine_flags():
+    """The train CLI takes capture's engine flags (one group per engine, --device shared with the
+    hf engine); inconsistent online options are one-line errors; a server engine under torchrun
+    needs running servers (a server per rank is not started)."""
+    from eaglenest.cli import build_parser
+    from eaglenest.train.online import make_engine
+
+    a = build_parser().parse_args(["train", "--online", "--data", "d", "--model", "m", "--out", "o", "--engine", "vllm",
+                                   "--vllm-url", "http://a", "--vllm-url", "http://b", "--sglang-batch", "2", "--device", "cpu"])
+    assert a.vllm_url == ["http://a", "http://b"] and a.sglang_batch == 2 and a.device == "cpu" and a.engine == "vllm"
+    for kw, msg in ((dict(online=True), "--online trains from --data"), (dict(online=True, data="d", features="f"), "takes no --features"),
+                    (dict(), "--features FEAT_DIR is required"), (dict(features="f", data="d"), "--features FEAT_DIR is required"),
+                    (dict(online=True, data="d", online_timeout=0), "--online-timeout must be positive")):
+        with pytest.raises(EaglenestError, match=msg):
+            TrainConfig(model="m", out="o", **kw).validate()
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(EaglenestError, match=f"--online --engine {engine} under torchrun needs running servers"):
+            make_engine(TrainConfig(model="m", out="o", online=True, data="d", engine=engine), None, "cpu", rank=1, world=2)
+
+
+def test_a_server_unreachable_at_start_is_an_error_not_a_silent_random_init(smollm2, tiny_data, tmp_path, capsys):
+    """The fc statistics come from the first captured samples: if none arrives (nothing listens at
+    --vllm-url), the run stops with the reason instead of falling back to a random fc."""
+    from eaglenest.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
+    rc = main(["train", "--online", "--data", str(tiny_data), "--engine", "vllm", "--vllm-url", url, "--vllm-retries", "0",
+               "--model", str(smollm2), "--out", str(tmp_path / "run"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the engine delivered none of the first samples for the fc statistics (connection" in err, err[-2000:]
+    assert {f["reason"] for f in rows(tmp_path / "run", "failures.jsonl")} == {"connection"}

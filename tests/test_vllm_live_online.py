@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from flaky_proxy import FlakyProxy
-from vllm_helpers import make_tiny_data, requires_vllm
+from vllm_helpers import capture_server, make_tiny_data, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
 
@@ -35,12 +35,9 @@ def data_dir(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    from eaglenest.engines.vllm import VLLMEngine
-
-    e = VLLMEngine(str(smollm2), dtype="bf16")
-    e.start("capture")
-    yield e.server.url
-    e.close()
+    """One capture server for the module."""
+    with capture_server(smollm2) as url:
+        yield url
 
 
 def train_args(smollm2, data_dir, out, urls, *extra):

@@ -27,9 +27,11 @@ class TrainConfig:
     layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto or i,j,k")
     capture_dtype: str = option("bf16", "with --online: the target's dtype in the engine (= the features' dtype)",
                                 choices=["bf16", "fp32"])
-    max_failures: int | None = option(None, "with --online: stop (checkpoint saved) once more samples than this have failed")
+    max_failures: int | None = option(None, "with --online: stop (checkpoint saved) once more training samples than this "
+                                      "have failed (skipped samples: RUN_DIR/failures.jsonl)")
     online_timeout: float = option(600.0, "with --online: seconds the loop waits for a step's micro-batches before it "
-                                   "stops (checkpoint saved) saying the engine is not answering")
+                                   "stops (checkpoint saved) saying the engine is not answering (with --prefetch >= 1; "
+                                   "set-up and evaluation captures are bounded by the engine's own timeouts)")
     ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")

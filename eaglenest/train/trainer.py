@@ -204,6 +204,9 @@ class Trainer:
             return fc_input_rms(store)
         rms, failed = store.fc_input_rms(self.cfg.batch_tokens)
         self.failures.record(failed, 0, self.rank, "setup")
+        if rms is None and failed:  # not a silent random init: the engine is most likely unreachable
+            raise EaglenestError(f"the engine delivered none of the first samples for the fc statistics "
+                                 f"({failed[0].reason}: {failed[0].message[:300]}); see {self.failures.path}")
         return rms
 
     def _online_info(self) -> dict:
