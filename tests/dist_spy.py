@@ -1,7 +1,7 @@
 """Run `eaglenest train` under torchrun with spies (used by tests/test_distributed.py):
 `python -m torch.distributed.run ... tests/dist_spy.py SPY_DIR train ARGS...`.
 Records, per rank, every tensor given to a collective (its device and the group's backend) and
-every sample the feature store read, into SPY_DIR/rank-<RANK>.json.  The product reads its rank
+every sample the feature store read (or, online, the hf engine captured), into SPY_DIR/rank-<RANK>.json.  The product reads its rank
 from the torchrun environment itself; the spy reads RANK only to name its file."""
 
 import json
@@ -37,6 +37,20 @@ def wrap_read(name, key):
     setattr(FeatureStore, name, f)
 
 
+def wrap_capture():
+    from eaglenest.engines.hf import HFEngine
+
+    orig = HFEngine.capture
+
+    def f(self, batch):
+        spy["captured"] += [r.id for r in batch]
+        return orig(self, batch)
+
+    HFEngine.capture = f
+
+
+spy["captured"] = []  # online training: the sample ids this rank's hf engine captured, in order
+wrap_capture()
 for op in ("all_reduce", "broadcast"):
     wrap_collective(op)
 wrap_read("__getitem__", "sample")

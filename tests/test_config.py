@@ -37,7 +37,9 @@ def test_required_options_may_come_from_the_file(tmp_path, capsys):
     assert main(["train", "--config", str(y), "--out", "run2", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert "model: smollm2\n" in printed and "out: run2\n" in printed and "epochs: 2.0\n" in printed and "max_steps: null\n" in printed
-    with pytest.raises(EaglenestError, match="missing required option.*--features"):
+    with pytest.raises(EaglenestError, match="missing required option.*--model"):
+        config_from_args(train_args(["--out", "o"]))
+    with pytest.raises(EaglenestError, match="--features FEAT_DIR is required"):  # unless --online --data
         config_from_args(train_args(["--model", "m", "--out", "o"]))
 
 

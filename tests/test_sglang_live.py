@@ -209,6 +209,23 @@ def test_faults_between_client_and_server(smollm2, data_dir, hf_store, main_serv
     _stores_agree(out, hf_store)
 
 
+def test_online_training_from_sglang_equals_training_on_the_hf_store(smollm2, data_dir, hf_store, main_server, staging, tmp_path):
+    """`train --online --engine sglang`: the server's states (plugin, /generate) go straight into the
+    trainer; the run takes the same steps as training on the hf engine's store, with losses equal up
+    to the engines' fp32 differences (their features agree to cosine >= 0.9999 per token, above)."""
+    from eaglenest.cli import main
+
+    common = ["--model", str(smollm2), "--ttt-steps", "2", "--draft-vocab", "1024", "--batch-tokens", "256", "--max-steps", "3",
+              "--eval-fraction", "0", "--device", "cpu", "--dtype", "fp32"]
+    assert main(["train", "--features", str(hf_store), "--out", str(tmp_path / "offline"), *common]) == 0
+    assert main(["train", "--online", "--data", str(data_dir), "--engine", "sglang", "--sglang-url", main_server,
+                 "--sglang-staging", str(staging), "--capture-dtype", "fp32", "--out", str(tmp_path / "online"), *common]) == 0
+    off, on = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("offline", "online"))
+    assert [r["tokens"] for r in on] == [r["tokens"] for r in off] and len(on) == 3
+    assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=1e-4)  # measured: 1.2e-7 relative at most
+    assert json.loads((tmp_path / "online" / "final.json").read_text())["online"]["failures"] == {"total": 0}
+
+
 def _in_sglang_env(code: str) -> subprocess.CompletedProcess:
     """Run `code` in .venv-sglang, prepared as eaglenest's launcher prepares a server process."""
     from eaglenest.engines.sglang import cpu_server_pythonpath

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flaky_proxy import FlakyProxy, check_client_account
-from vllm_helpers import make_tiny_data, requires_vllm
+from vllm_helpers import capture_server, make_tiny_data, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
 
@@ -28,13 +28,9 @@ def data_dir(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    """One capture server for the module (the engine object only starts and stops it)."""
-    from eaglenest.engines.vllm import VLLMEngine
-
-    e = VLLMEngine(str(smollm2), dtype="bf16")
-    e.start("capture")
-    yield e.server.url
-    e.close()
+    """One capture server for the module."""
+    with capture_server(smollm2) as url:
+        yield url
 
 
 def _capture(smollm2, data_dir, out, url, *extra):

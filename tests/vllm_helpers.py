@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -91,6 +92,19 @@ def completion(prompt_ids, token_ids=(0,), finish="length", stop_reason=None, hi
     if hidden_states_path:
         body["kv_transfer_params"] = {"hidden_states_path": str(hidden_states_path)}
     return body
+
+
+@contextlib.contextmanager
+def capture_server(model, dtype: str = "bf16"):
+    """The URL of a vLLM server started for capture (the engine object only starts and stops it)."""
+    from eaglenest.engines.vllm import VLLMEngine
+
+    e = VLLMEngine(str(model), dtype=dtype)
+    try:
+        e.start("capture")
+        yield e.server.url
+    finally:
+        e.close()
 
 
 def make_tiny_data(out: Path, model: str = "smollm2", n: int = 4, max_length: int = 256) -> Path:

@@ -106,6 +106,29 @@ def store_meta_for(engine: Engine, dtype: str) -> StoreMeta:
     )
 
 
+def validated(triples, meta: StoreMeta) -> tuple[list[tuple[str, dict]], list[Failure]]:
+    """(sample, request, engine result) triples -> ((id, tensors) of the samples whose result passed
+    the echo and validity checks, Failures of the others).  Shared by capture and online training."""
+    good, bad = [], []
+    for s, req, res in triples:
+        if isinstance(res, Captured):
+            res = check_echo(req.input_ids, res.input_ids, s.id) or res
+        if isinstance(res, Captured):
+            t = {
+                "input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
+                "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8),
+                "aux_hidden_states": res.aux_hidden_states,
+                "last_hidden_state": res.last_hidden_state,
+            }
+            why = validate_sample(t, meta)
+            if why is None:
+                good.append((s.id, t))
+                continue
+            res = Failure(s.id, why.split(":")[0], why)
+        bad.append(res)
+    return good, bad
+
+
 def run_capture(
     engine: Engine,
     data,
@@ -149,26 +172,8 @@ def run_capture(
         """Validate one batch's results and write them as one shard."""
         nonlocal stored, tokens, written
         btoks = sum(lengths[i] for i in batch if samples[i].id not in done)
-        good, bad = [], []
-        for i, req, res in zip(batch, reqs, handle.result()):
-            s = samples[i]
-            if s.id in done:
-                continue
-            if isinstance(res, Captured):
-                res = check_echo(req.input_ids, res.input_ids, s.id) or res
-            if isinstance(res, Captured):
-                t = {
-                    "input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
-                    "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8),
-                    "aux_hidden_states": res.aux_hidden_states,
-                    "last_hidden_state": res.last_hidden_state,
-                }
-                why = validate_sample(t, meta)
-                if why is None:
-                    good.append((s.id, t))
-                    continue
-                res = Failure(s.id, why.split(":")[0], why)
-            bad.append(res)
+        good, bad = validated(((samples[i], req, res) for i, req, res in zip(batch, reqs, handle.result())
+                               if samples[i].id not in done), meta)
         try:
             written += writer.write_batch(good)
         except OSError as e:

@@ -282,6 +282,16 @@ class PreparedData:
             out.extend(pq.read_table(f, columns=["id"]).column("id").to_pylist())
         return out
 
+    def lengths(self) -> list[int]:
+        """Tokens per sample, in sample order (list lengths only: no ids are converted)."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        out: list[int] = []
+        for f in self._files:
+            out.extend(pc.list_value_length(pq.read_table(f, columns=["input_ids"]).column("input_ids")).to_pylist())
+        return out
+
     def token_counts(self):
         """int64 tensor [vocab_size]: how often each token id is under the loss mask."""
         from safetensors.torch import load_file

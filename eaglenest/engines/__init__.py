@@ -39,8 +39,20 @@ def get_engine_module(name: str):
     return mods[name]
 
 
-def add_engine_arguments(parser, engines: dict | None = None) -> None:
-    """One argument group per engine (each engine's flags carry its own prefix)."""
+def add_engine_arguments(parser, engines: dict | None = None, shared: tuple[str, ...] = ()) -> None:
+    """One argument group per engine (each engine's flags carry its own prefix).  `shared`: flags
+    the parser already has with the same meaning for an engine (train's --device is the hf
+    engine's device: target and draft on one device); the engine reads the parser's."""
     for name, mod in sorted((engines or engine_modules()).items()):
         if hasattr(mod, "add_arguments"):
-            mod.add_arguments(parser.add_argument_group(f"{name} engine"))
+            mod.add_arguments(_Without(parser.add_argument_group(f"{name} engine"), shared))
+
+
+class _Without:
+    """An argument group that leaves out the flags in `skip`."""
+
+    def __init__(self, group, skip: tuple[str, ...]):
+        self.group, self.skip = group, skip
+
+    def add_argument(self, *flags, **kw):
+        return None if any(f in self.skip for f in flags) else self.group.add_argument(*flags, **kw)

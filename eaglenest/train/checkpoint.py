@@ -36,6 +36,11 @@ class Checkpointer:
         p = self.dir / "latest.json"
         return self.dir / read_json(p, "checkpoint index")["dir"] if p.exists() else None
 
+    def latest_step(self) -> int:
+        """The step of the newest complete checkpoint (0: none)."""
+        p = self.dir / "latest.json"
+        return int(read_json(p, "checkpoint index")["step"]) if p.exists() else 0
+
     def holds_checkpoints(self) -> bool:
         return (self.dir / "latest.json").exists() or any(self.dir.glob("step-*"))
 

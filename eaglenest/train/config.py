@@ -14,8 +14,24 @@ ATTN_CHOICES = ["auto", "eager", "chunked", "flex"]
 @dataclass
 class TrainConfig:
     model: str = option(help="target checkpoint directory or known name (smollm2)", metavar="TARGET")
-    features: str = option(help="feature store written by `eaglenest capture`", metavar="FEAT_DIR")
     out: str = option(help="run directory", metavar="RUN_DIR")
+    features: str | None = option(None, "feature store written by `eaglenest capture` (or --online --data DATA_DIR)",
+                                  metavar="FEAT_DIR")
+    # online training (train/online.py): the engine captures each step's micro-batches, no feature store
+    online: bool = option(False, "capture each step's micro-batches with --engine while training, from --data, instead of "
+                          "reading --features: no feature store is written. Epochs > 1 re-capture (no feature cache: "
+                          "memory stays at the prefetch queue's, printed at start)")
+    data: str | None = option(None, "with --online: DATA_DIR written by `eaglenest prepare`", metavar="DATA_DIR")
+    engine: str = option("hf", "with --online: the engine that runs the target (hf: in this process, on --device; vllm, "
+                         "sglang: servers, their flags below)", metavar="ENGINE")
+    layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto or i,j,k")
+    capture_dtype: str = option("bf16", "with --online: the target's dtype in the engine (= the features' dtype)",
+                                choices=["bf16", "fp32"])
+    max_failures: int | None = option(None, "with --online: stop (checkpoint saved) once more training samples than this "
+                                      "have failed (skipped samples: RUN_DIR/failures.jsonl)")
+    online_timeout: float = option(600.0, "with --online: seconds the loop waits for a step's micro-batches before it "
+                                   "stops (checkpoint saved) saying the engine is not answering (with --prefetch >= 1; "
+                                   "set-up and evaluation captures are bounded by the engine's own timeouts)")
     ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")
@@ -64,13 +80,19 @@ class TrainConfig:
             raise EaglenestError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction})")
         if self.prefetch < 0 or self.loader_threads < 1:
             raise EaglenestError(f"--prefetch must be >= 0 and --loader-threads >= 1 (got {self.prefetch}, {self.loader_threads})")
+        if self.online and (not self.data or self.features):
+            raise EaglenestError("--online trains from --data DATA_DIR (prepared ids) through --engine; it takes no --features")
+        if not self.online and (not self.features or self.data):
+            raise EaglenestError("--features FEAT_DIR is required (or --online --data DATA_DIR to capture while training)")
+        if self.online_timeout <= 0 or (self.max_failures is not None and self.max_failures < 0):
+            raise EaglenestError(f"--online-timeout must be positive and --max-failures >= 0 (got {self.online_timeout}, {self.max_failures})")
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
         if self.freeze_head and self.init_head != "target":
             raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
         for name, allowed in (("attn_impl", ATTN_CHOICES), ("recompute", ["auto", "none", "layer"]), ("init_head", ["target", "random"]),
                               ("fc_init", ["scaled", "high", "random"]), ("dtype", ["auto", "bf16", "fp32"]),
-                              ("report_to", ["jsonl", "tensorboard"])):
+                              ("report_to", ["jsonl", "tensorboard"]), ("capture_dtype", ["bf16", "fp32"])):
             if getattr(self, name) not in allowed:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} (got {getattr(self, name)})")
 

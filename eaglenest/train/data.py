@@ -42,7 +42,11 @@ class Batch:
 
 
 def collate(store: FeatureStore, idx: list[int], max_len: int | None = None) -> Batch:
-    items = [store[i] for i in idx]
+    return collate_items([store[i] for i in idx], max_len)
+
+
+def collate_items(items: list[dict], max_len: int | None = None) -> Batch:
+    """Samples (input_ids, loss_mask, aux_hidden_states, last_hidden_state) -> one right-padded batch."""
     if max_len:
         items = [{k: (v[:max_len] if torch.is_tensor(v) else v) for k, v in it.items()} for it in items]
     T = max(it["input_ids"].shape[0] for it in items)

@@ -14,6 +14,7 @@ def plot_run(run_dir: Path | str) -> list[Path]:
 
     run_dir = Path(run_dir)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if not r.get("skipped")]  # online steps none of whose samples arrived
     if not rows:
         return []
     out = []

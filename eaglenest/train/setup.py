@@ -26,11 +26,19 @@ def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
 
 
 # --- model --------------------------------------------------------------------------------------
-def fc_input_rms(store: FeatureStore, n_samples: int = 32) -> torch.Tensor | None:
+FC_RMS_SAMPLES = 32  # the first samples (in store order) the fc init statistics come from
+
+
+def fc_input_rms(store: FeatureStore, n_samples: int = FC_RMS_SAMPLES) -> torch.Tensor | None:
     """RMS of each aux feature over the first samples, the first token (attention sink) left out."""
+    return aux_rms(store[i]["aux_hidden_states"] for i in range(min(n_samples, len(store))))
+
+
+def aux_rms(auxes) -> torch.Tensor | None:
+    """RMS of each aux feature over these samples' aux states ([T, 3H] each), first tokens left out."""
     acc, n = None, 0
-    for i in range(min(n_samples, len(store))):
-        a = store[i]["aux_hidden_states"][1:].float()
+    for aux in auxes:
+        a = aux[1:].float()
         acc = a.pow(2).sum(0) if acc is None else acc + a.pow(2).sum(0)
         n += a.shape[0]
     return (acc / n).sqrt().clamp_min(1e-3) if n else None
@@ -115,9 +123,10 @@ def build_scheduler(opt, warmup: int, total: int, min_ratio: float) -> torch.opt
 
 
 # --- identity -----------------------------------------------------------------------------------
-def store_fingerprint(store: FeatureStore) -> str:
+def store_fingerprint(store) -> str:
     """The store's setup (target, layers, dtype, ...) and its samples in order: what the data
-    order of a run is a function of."""
+    order of a run is a function of.  An online run's data (train/online.py) has the same three
+    facts, so it gets the fingerprint of the store a complete capture of its DATA would write."""
     m = store.meta.to_dict()
     parts = [repr(sorted((k, repr(v)) for k, v in m.items() if k not in ("target", "engine")))]
     parts += [f"{i}:{n}" for i, n in zip(store.ids(), store.lengths())]

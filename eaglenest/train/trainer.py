@@ -9,8 +9,9 @@ position is the step number (see data.py), so a resumed run replays exactly the 
 
 The pieces, each tested on its own: distributed.py (process group, collectives), setup.py
 (vocabulary, model, teacher, optimizer, schedule), data.py + loader.py (order, prefetched
-reading), checkpoint.py (run directory, checkpoints, resume rules), metrics.py (JSONL,
-TensorBoard), ttt.py (the loss).
+reading), online.py (the same data captured by an engine while training, `--online`),
+checkpoint.py (run directory, checkpoints, resume rules), metrics.py (JSONL, TensorBoard),
+ttt.py (the loss).
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ from eaglenest.train.config import RESUME_FIXED, TrainConfig
 from eaglenest.train.data import Batch, Schedule, split
 from eaglenest.train.distributed import Distributed
 from eaglenest.train.loader import Prefetcher, StepData, StoreSource
+from eaglenest.train.online import (
+    FailureLog,
+    OnlineData,
+    OnlineSource,
+    OnlineStop,
+    describe_failures,
+    engine_memory,
+    make_engine,
+    memory_line,
+    queue_bytes,
+)
 from eaglenest.train.metrics import MetricsLog, prefix_keys, summarize
 from eaglenest.train.setup import (
     build_draft,
@@ -62,11 +74,9 @@ def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
-        from eaglenest.draft.shape import describe, draft_shape
-        from eaglenest.models.target import load_config, target_facts, target_fingerprint
-        from eaglenest.models.weights import target_head
-
+    def __init__(self, cfg: TrainConfig, engine=None, engine_args=None):
+        """`--online` runs take their engine as `engine` (kept open) or create it from the engine
+        flags in `engine_args` (an argparse namespace; None: the engine's defaults) and close it."""
         cfg.validate()
         self.cfg = cfg
         self.dist = Distributed(cfg.device)
@@ -76,21 +86,43 @@ class Trainer:
         self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
         self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"
         self.ckpt = Checkpointer(self.out, self.rank)
+        self.engine, self._own_engine = engine, False
+        self.failures = None  # online: RUN_DIR/failures.jsonl
+        try:
+            self._setup(engine_args)
+        except BaseException:
+            self.close_engine()
+            raise
+
+    def _setup(self, engine_args) -> None:
+        from eaglenest.draft.shape import describe, draft_shape
+        from eaglenest.models.target import load_config, target_facts, target_fingerprint
+        from eaglenest.models.weights import target_head
+
+        cfg = self.cfg
         resuming = cfg.resume and self.ckpt.latest() is not None
 
-        # target and store
-        self.store = store = FeatureStore(cfg.features)
-        meta, tcfg = store.meta, load_config(cfg.model)
-        tfp = target_fingerprint(cfg.model)
+        # target and data: a feature store, or (online) prepared ids and an engine
+        tcfg, tfp = load_config(cfg.model), target_fingerprint(cfg.model)
+        if cfg.online:
+            from eaglenest.data import PreparedData
+
+            data = PreparedData(cfg.data)
+            self.ckpt.prepare(cfg.resume, cfg.overwrite)  # before an engine starts (a server takes minutes)
+            store = self._open_online(data, engine_args)
+        else:
+            store = FeatureStore(cfg.features)
+        self.store, meta = store, store.meta
         if meta.target_fingerprint != tfp or meta.hidden_size != tcfg.hidden_size:
             raise EaglenestError(
                 f"feature store {cfg.features} was captured from {meta.target} (hidden {meta.hidden_size}, "
                 f"{meta.num_layers} layers), not from {cfg.model} (hidden {tcfg.hidden_size}, {tcfg.num_hidden_layers} layers)"
             )
         if len(store) == 0:
-            raise EaglenestError(f"feature store {cfg.features} holds no samples")
+            raise EaglenestError(f"{cfg.data if cfg.online else f'feature store {cfg.features}'} holds no samples")
         head = target_head(cfg.model)
-        self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
+        if not cfg.online:
+            self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
 
         # vocabulary, model, teacher, attention kernel
         self.out.mkdir(parents=True, exist_ok=True)
@@ -103,9 +135,14 @@ class Trainer:
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
             self._check_resume()
+        if cfg.online:
+            self.failures = FailureLog(self.out)
+            if self.rank == 0:
+                self.failures.start(self.ckpt.latest_step() if resuming else 0)
+            self.dist.barrier()  # the log is trimmed before any rank appends to it
         fc_rms = None
         if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
-            fc_rms = fc_input_rms(store) if self.rank == 0 else torch.zeros(3 * meta.hidden_size)
+            fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(3 * meta.hidden_size)
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
         self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
                                  fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
@@ -117,11 +154,15 @@ class Trainer:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
         self.attn = causal_kernel(self.attn_impl, self.device)  # flex keeps its compiled function and masks here
 
-        # data: order (Schedule) and this rank's reads (StoreSource)
+        # data: order (Schedule) and this rank's reads (StoreSource) or captures (OnlineSource)
         train_idx, self.eval_idx = split(store, cfg.eval_fraction)
         self.schedule = Schedule(store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
         self.eval_batches = Schedule(store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
-        self.source = StoreSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin=self.device_type == "cuda")
+        pin = self.device_type == "cuda"
+        if cfg.online:
+            self.source = OnlineSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin, self.failures)
+        else:
+            self.source = StoreSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin=pin)
         spe = self.schedule.steps_per_epoch
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
         self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
@@ -133,6 +174,8 @@ class Trainer:
         self.opt = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.sched = build_scheduler(self.opt, self.warmup, self.total_steps, cfg.min_lr_ratio)
         self.step = 0
+        # online: failed training samples so far (--max-failures counts those of a resumed run's earlier steps too)
+        self.n_failed = sum(self.failures.summary(self.ckpt.latest_step()).get("train", {}).values()) if cfg.online and resuming else 0
         # micro-batch -> the target's argmax per position (host RAM, int32), reused by later epochs;
         # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
         self._argmax: dict[tuple, torch.Tensor] = {}
@@ -144,13 +187,49 @@ class Trainer:
             from safetensors.torch import save_file
 
             save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(self.out / "vocab.safetensors"))
+        self.online_info = self._online_info() if cfg.online else None
         if self.rank == 0:
             atomic_write_json(self.out / "config.json", {
                 "train": asdict(cfg), "draft": dcfg.to_dict(), "store": meta.to_dict(), "target": str(cfg.model),
                 "identity": self.identity, "n_train_samples": len(train_idx), "n_eval_samples": len(self.eval_idx),
                 "n_train_tokens": self.n_train_tokens, "total_steps": self.total_steps, "steps_per_epoch": spe,
                 "world_size": self.world, "draft_vocab_coverage": self._coverage(t2d),
+                **({"online": self.online_info} if cfg.online else {}),
             })
+
+    # --- online set-up (train/online.py) -----------------------------------------------------
+    def _open_online(self, data, engine_args) -> OnlineData:
+        if self.engine is None:
+            self.engine, self._own_engine = make_engine(self.cfg, engine_args, self.device, self.rank, self.world), True
+        return OnlineData(data, self.engine, self.cfg.capture_dtype)
+
+    def _fc_rms(self, store) -> torch.Tensor | None:
+        if not self.cfg.online:
+            return fc_input_rms(store)
+        rms, failed = store.fc_input_rms(self.cfg.batch_tokens)
+        self.failures.record(failed, 0, self.rank, "setup")
+        if rms is None and failed:  # not a silent random init: the engine is most likely unreachable
+            raise EaglenestError(f"the engine delivered none of the first samples for the fc statistics "
+                                 f"({failed[0].reason}: {failed[0].message[:300]}); see {self.failures.path}")
+        return rms
+
+    def _online_info(self) -> dict:
+        """The run's memory, printed at start: the target (in this process for the hf engine), the
+        draft with its optimizer state, the feature queue."""
+        cfg = self.cfg
+        mem = engine_memory(self.engine)
+        q = queue_bytes(cfg.prefetch, cfg.grad_accum, self.world, cfg.batch_tokens, self.store.meta.hidden_size, cfg.capture_dtype)
+        if self.rank == 0:
+            print(memory_line(mem, self.model, q), file=sys.stderr)
+        return {"engine": self.engine.name, "data": str(cfg.data), "engine_info": asdict(self.engine.info()),
+                "memory": {**mem, "draft_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                           "queue_bytes_max": q},
+                "epochs_over_1": "re-capture (no feature cache)"}
+
+    def close_engine(self) -> None:
+        if self._own_engine and self.engine is not None:
+            self.engine.close()
+        self.engine, self._own_engine = None, False
 
     # --- set-up helpers --------------------------------------------------------------------
     def _device(self) -> str:
@@ -172,7 +251,10 @@ class Trainer:
 
             v = load_file(str(path))
             return v["d2t"], v["t2d"]
-        counts = vocab_counts(self.store, tcfg.vocab_size) if self.rank == 0 else torch.zeros(tcfg.vocab_size, dtype=torch.int64)
+        if self.rank != 0:
+            counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
+        else:  # online: DATA's loss-masked token counts, the counts of a complete store
+            counts = self.store.token_counts(tcfg.vocab_size) if self.cfg.online else vocab_counts(self.store, tcfg.vocab_size)
         self.counts = self.dist.broadcast_(counts)
         from eaglenest.models.target import eos_token_ids, resolve_model_path
 
@@ -203,7 +285,7 @@ class Trainer:
         known = self._argmax.get(key)
         last = b.last.to(dev, non_blocking=nb)
         tprobs, targ = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if known is None else known.long())
-        if known is None and targ.numel() <= self._argmax_room:
+        if known is None and key is not None and targ.numel() <= self._argmax_room:
             self._argmax[key] = targ.to("cpu", torch.int32)
             self._argmax_room -= targ.numel()
         B, T = b.input_ids.shape
@@ -241,8 +323,11 @@ class Trainer:
         tot = {"loss_sum": 0, "correct": 0, "count": 0, "loss_count": 0}
         per = [dict(tot) for _ in range(self.cfg.ttt_steps)]
         for idx in self.eval_batches:
-            b = self.source.load_batch(idx)
-            _, stats, _ = self._forward(b, tuple(idx), denominators(b.loss_mask, self.cfg.ttt_steps))
+            b = self.source.load_batch(idx, self.step) if self.cfg.online else self.source.load_batch(idx)
+            if b is None:  # online: none of its samples arrived (recorded)
+                continue
+            key = tuple(idx) if b.input_ids.shape[0] == len(idx) else None  # online: not all arrived, no argmax cache
+            _, stats, _ = self._forward(b, key, denominators(b.loss_mask, self.cfg.ttt_steps))
             for j in range(self.cfg.ttt_steps):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
@@ -251,6 +336,12 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
+        try:
+            return self._fit()
+        finally:
+            self.close_engine()
+
+    def _fit(self) -> dict:
         cfg = self.cfg
         self.model.train()
         log = MetricsLog(self.out, cfg.report_to) if self.rank == 0 else None
@@ -258,12 +349,12 @@ class Trainer:
             log.start(self.step)
         bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step") if self.rank == 0 else None
         t_start, tok_seen = time.time(), 0
-        last_eval = None
+        last_eval, stop = None, None
         try:
             with Prefetcher(self.source, cfg.prefetch, cfg.loader_threads, end=self.total_steps) as loader:
                 while self.step < self.total_steps:
                     t_wait = time.perf_counter()
-                    data = loader.get(self.step)
+                    data = self._next(loader)
                     t_wait = time.perf_counter() - t_wait
                     loss_val, n_tok, agg, gnorm = self.optimizer_step(data)
                     self.step += 1
@@ -271,6 +362,8 @@ class Trainer:
                     if log:
                         rec = {"step": self.step, "epoch": data.epoch, "lr": self.sched.get_last_lr()[0], "loss": loss_val,
                                "grad_norm": gnorm, "tokens": n_tok, "data_wait_s": round(t_wait, 4)}
+                        if n_tok == 0:
+                            rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
                         rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
@@ -284,20 +377,83 @@ class Trainer:
                         release_free_heap()
                     if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
                         self.save()
+        except OnlineStop as e:
+            stop = e
         finally:
             if log:
                 log.close()
             if bar:
                 bar.close()
         final = self.save()
+        if stop is not None:  # every rank gets here at the same step (_online_check)
+            self.dist.barrier()
+            self.dist.close()
+            raise EaglenestError(f"online training stopped: {stop}. Checkpoint {final or 'saved by rank 0'} holds the "
+                                 f"{self.step} steps done: re-run the same command with --resume to continue from there")
+        online = self._online_summary() if cfg.online and self.rank == 0 else None
         if self.rank == 0:
             from eaglenest.train.plots import plot_run
 
             plot_run(self.out)
-            atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval})
+            atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval,
+                                                        **({"online": online} if online else {})})
         self.dist.barrier()  # every rank returns once rank 0's final checkpoint is complete
         self.dist.close()
         return {"step": self.step, "eval": last_eval, "checkpoint": final}
+
+    def _next(self, loader) -> StepData:
+        """The step's data; online, after the ranks' verdict on it."""
+        if not self.cfg.online:
+            return loader.get(self.step)
+        data, err, exc = None, None, None
+        try:
+            data = loader.get(self.step, timeout=self.cfg.online_timeout)
+        except TimeoutError:
+            err = (f"step {self.step + 1}: its micro-batches did not arrive within --online-timeout "
+                   f"{self.cfg.online_timeout:.0f} s: the engine is not answering")
+        except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it before anyone stops
+            err, exc = f"step {self.step + 1}: capture failed: {e}", e
+        return self._online_check(data, err, exc)
+
+    def _online_check(self, data: StepData | None, err: str | None, exc: Exception | None) -> StepData:
+        """Every rank's facts about this step, summed over ranks, decide for all of them at once (a
+        rank that stopped alone would leave the others waiting in the step's all-reduce): stop
+        (OnlineStop) when a rank's engine failed or timed out, when the engine delivered none of the
+        step's samples for a transient reason (unreachable), or past --max-failures.  A step none of
+        whose samples arrived for reasons of their own (e.g. wrong echoes) goes on, empty: no update
+        (optimizer_step), the schedule moves on."""
+        from collections import Counter
+
+        from eaglenest.engines.http import RETRYABLE
+
+        fails = data.failures if data is not None else []
+        v = torch.tensor([data.n_samples if data is not None else 0, len(fails), sum(f["reason"] in RETRYABLE for f in fails),
+                          int(err is not None)], dtype=torch.float64)
+        n, n_failed, n_transient, n_err = (self.dist.sum(v) if self.world > 1 else v).tolist()
+        self.n_failed += int(n_failed)
+        step, cfg = self.step + 1, self.cfg
+        if exc is not None and not isinstance(exc, EaglenestError):
+            raise exc  # a bug, not the engine's weather: its traceback
+        if n_err:
+            raise OnlineStop(err or f"step {step}: another rank's micro-batches did not arrive (its log says why)")
+        reasons = ", ".join(f"{k}: {c}" for k, c in sorted(Counter(f["reason"] for f in fails).items()))
+        if n == 0 and n_transient:
+            raise OnlineStop(f"step {step}: the engine delivered none of the step's samples ({int(n_failed)} failed; "
+                             f"{reasons or 'on another rank'}): is the server up?")
+        if cfg.max_failures is not None and self.n_failed > cfg.max_failures:
+            raise OnlineStop(f"{self.n_failed} failed samples exceed --max-failures {cfg.max_failures} (this step: {reasons or 'none here'})")
+        if n == 0 and self.rank == 0:
+            print(f"warning: online step {step}: none of its samples arrived ({reasons}): no update", file=sys.stderr)
+        return data
+
+    def _online_summary(self) -> dict:
+        from eaglenest.engines.http import describe
+
+        failures = self.failures.summary(self.step)
+        requests = self.engine.request_stats()
+        print(f"online: {describe_failures(failures)} (RUN_DIR/failures.jsonl)"
+              + (f"; engine requests of rank 0: {describe(requests)}" if requests else ""), file=sys.stderr)
+        return {"failures": failures, "requests": {k: v for k, v in requests.items() if k != "records"} if requests else None}
 
     def optimizer_step(self, data: StepData) -> tuple[float, int, dict, float]:
         """One optimizer step over this rank's micro-batches of a step (`self.source.load(step)`):
@@ -316,6 +472,9 @@ class Trainer:
                 agg[k] = [a + s for a, s in zip(agg[k], stats[k])]
         if self.world > 1:
             loss_val, n_tok, agg = self._allreduce(params, loss_val, n_tok, agg)
+        if n_tok == 0:  # online: none of the step's samples arrived on any rank: no update (AdamW's moments untouched)
+            self.sched.step()
+            return loss_val, n_tok, agg, 0.0
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         self.opt.step()
         self.sched.step()
