@@ -9,7 +9,9 @@ Two servers, each given the aux layer ids as a draft's `eagle_config` would give
 Checked: what SGLang captures for those ids (its own aux capture, which feeds a served draft) is
 exactly what the plugin captures at the layers `sglang_capture_layers` predicts -- the DeepSeek rule,
 live, on SGLang's own numbers.  Not asserted, measured and reported: SGLang's CPU forward of this
-model does not agree with transformers' (see docs/sglang.md; printed by the test).
+model does not agree with transformers' (printed by the test): SGLang 0.5.23's MLA prefill on the
+torch_native backend attends over the latent KV pool instead of the k/v it is given, which this
+config's shapes (nope 32 == kv_lora_rank 32, v 32) happen to allow (docs/sglang.md).
 """
 
 from __future__ import annotations
