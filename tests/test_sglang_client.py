@@ -263,3 +263,17 @@ def test_cli_needs_a_url(tiny_llama_dir, data_dir, tmp_path, capsys):
     assert main(["capture", "--model", str(tiny_llama_dir), "--data", str(data_dir), "--out", str(tmp_path / "o"),
                  "--engine", "sglang"]) == 2
     assert "--sglang-url" in capsys.readouterr().err
+
+
+def test_sglang_serve_refuses_mla_targets(tmp_path, capsys):
+    """SGLang 0.5.23's CPU engine computes MLA prefill attention over the latent KV cache (docs/sglang.md):
+    `--sglang-serve` refuses DeepSeek-family targets before starting anything; a URL is still accepted."""
+    from family_helpers import tiny_deepseek
+
+    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.models.fetch import fetch
+
+    ds = tiny_deepseek(tmp_path / "ds", tokenizer_from=fetch("smollm2"), layers=6)
+    with pytest.raises(EaglenestError, match="MLA attention.*cannot be served correctly by SGLang"):
+        SGLangEngine(ds, serve=True)
+    SGLangEngine(ds, urls=["http://127.0.0.1:9"], preflight=False).close()  # a GPU server of the user's: not refused

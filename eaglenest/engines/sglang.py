@@ -152,6 +152,21 @@ def create(args) -> "SGLangEngine":
 # ------------------------------------------------------------------------------------- server
 
 
+def refuse_cpu_mla(cfg: dict, path) -> None:
+    """--sglang-serve starts SGLang's CPU engine (torch-native attention), whose MLA prefill attends
+    over the compressed latent KV pool instead of the per-head k/v it is given (0.5.23,
+    torch_native_backend.py forward_extend; docs/sglang.md): DeepSeek-V2/V3/Kimi states and tokens
+    come out wrong (or the first prefill fails on real shapes).  Refused, not warned about."""
+    from eaglenest.models.target import target_facts
+
+    fam = target_facts(cfg).family
+    if fam.attention == "mla":
+        raise EaglenestError(
+            f"{path}: a {fam.name} target (MLA attention) cannot be served correctly by SGLang 0.5.23's CPU engine "
+            "(its torch-native MLA prefill attends over the latent KV cache, not the per-head keys and values; see "
+            "docs/sglang.md): serve it on GPUs and pass --sglang-url, or use --engine hf / vllm")
+
+
 def find_sglang_python(explicit: str | None = None) -> Path:
     """The python of the SGLang virtualenv: --sglang-python, $EAGLENEST_SGLANG_PYTHON, or ./.venv-sglang."""
     p = Path(explicit or os.environ.get("EAGLENEST_SGLANG_PYTHON") or DEFAULT_VENV / "bin" / "python")
@@ -390,6 +405,8 @@ class SGLangEngine(Engine):
         self.path = resolve_model_path(model)
         cfg = model_config(self.path)
         self.architecture = (cfg.get("architectures") or ["?"])[0]
+        if serve:
+            refuse_cpu_mla(cfg, self.path)
         self.num_layers = int(cfg["num_hidden_layers"])
         self.hidden_size = int(cfg["hidden_size"])
         self.vocab_size = int(cfg["vocab_size"])
