@@ -30,6 +30,11 @@ def engine_modules(errors: dict | None = None) -> dict:
     return mods
 
 
+def engine_names() -> list[str]:
+    """The engines that import here: the choices of every --engine that runs the target."""
+    return sorted(engine_modules())
+
+
 def get_engine_module(name: str):
     errors: dict = {}
     mods = engine_modules(errors)
