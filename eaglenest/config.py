@@ -150,7 +150,7 @@ def _coerce(value, tp, optional: bool, where: str):
         try:
             return float(value)
         except ValueError:
-            pass
+            pass  # not a number: the type error below names the field and the value
     if tp in (int, str, bool, dict, list) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise EaglenestError(f"{where}: expected {'' if not optional else 'null or '}{tp.__name__}, got {value!r}")
