@@ -164,3 +164,16 @@ def test_list_and_positional_fields(tmp_path):
     assert from_args(p.parse_args(["--config", str(y)]), Toy) == Toy(inputs=["f"], tag=["z"], where="there")
     assert from_args(p.parse_args(["--config", str(y), "--tag", "w"]), Toy).tag == ["w"]
     assert from_args(p.parse_args(["--inputs", "a"]), Toy) == Toy(inputs=["a"])
+
+
+def test_the_readme_eval_example_config_is_valid(tmp_path, capsys):
+    import yaml
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("# eval.yaml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
+    y = tmp_path / "eval.yaml"
+    y.write_text(block)
+    assert main(["eval", "--config", str(y), "--limit", "5", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert (cfg["model"], cfg["limit"], cfg["max_new_tokens"], cfg["temperature"]) == ("smollm2", 5, 128, 0.0)
