@@ -14,19 +14,17 @@ _IGNORE_DISK = "start even if the size estimate exceeds free space"
 
 
 @dataclass(kw_only=True)
-class VerifyConfig:
-    store: str = option(help=_STORE, positional=True)
-    repair: bool = option(False, "drop damaged samples from the manifest")
-
-
-@dataclass(kw_only=True)
 class InfoConfig:
     store: str = option(help=_STORE, positional=True)
 
 
 @dataclass(kw_only=True)
-class StatsConfig:
-    store: str = option(help=_STORE, positional=True)
+class VerifyConfig(InfoConfig):
+    repair: bool = option(False, "drop damaged samples from the manifest")
+
+
+@dataclass(kw_only=True)
+class StatsConfig(InfoConfig):
     json: bool = option(False, "print one JSON object instead of a table")
 
 
