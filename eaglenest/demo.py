@@ -14,9 +14,11 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest import EaglenestError
+from eaglenest.config import Command, add_arguments, option
 
 # Full: <= 25 min on 2 CPU cores once the environment exists; --quick: <= 3 min, same outputs.
 PRESETS = {
@@ -59,6 +61,14 @@ PRESETS = {
 }
 
 
+@dataclass(kw_only=True)
+class DemoConfig:
+    out: str = option("demo-out", "output directory")
+    quick: bool = option(False, "a ~3 minute version with the same outputs (for CI)")
+    device: str = option("auto", "cpu, cuda or auto")
+    fresh: bool = option(False, "delete DIR first instead of resuming")
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
@@ -66,14 +76,11 @@ def register(sub) -> None:
         description="Fetch SmolLM2-135M-Instruct, prepare ShareGPT conversations from the installed package, capture, "
         "train, export, check and evaluate on MT-bench (first turns, held out from training). Writes DIR/report.json "
         "(the eval report), DIR/report.md (with the training plots) and the draft in DIR/draft/. Re-running resumes "
-        "finished stages.",
+        "finished stages. Options can come from a YAML file (--config; flags win).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--out", default="demo-out", help="output directory")
-    p.add_argument("--quick", action="store_true", help="a ~3 minute version with the same outputs (for CI)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--fresh", action="store_true", help="delete DIR first instead of resuming")
-    p.set_defaults(func=_run)
+    add_arguments(p, DemoConfig)
+    p.set_defaults(func=Command(DemoConfig, _run))
 
 
 def _stage(name: str, timings: dict, fn):
@@ -93,11 +100,11 @@ def _cli(argv: list[str]) -> None:
         raise EaglenestError(f"`eaglenest {' '.join(argv)}` exited with {rc}")
 
 
-def _run(args) -> int:
-    preset_name = "quick" if args.quick else "full"
+def _run(cfg, args) -> int:
+    preset_name = "quick" if cfg.quick else "full"
     P = PRESETS[preset_name]
-    out = Path(args.out)
-    if args.fresh and out.exists():
+    out = Path(cfg.out)
+    if cfg.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -116,8 +123,8 @@ def _run(args) -> int:
         return prep(model=model, data=["sharegpt:"], out=data, max_length=P["max_length"], limit=P["samples"])
 
     meta = _stage("prepare", timings, prepare)
-    train_dtype = _train_dtype(P["dtype"], args.device)
-    _stage("capture", timings, lambda: _cli(["capture", "--model", model, "--data", str(data), "--out", str(feats), "--device", args.device]))
+    train_dtype = _train_dtype(P["dtype"], cfg.device)
+    _stage("capture", timings, lambda: _cli(["capture", "--model", model, "--data", str(data), "--out", str(feats), "--device", cfg.device]))
 
     def train():
         if (run / "final.json").exists():
@@ -125,7 +132,7 @@ def _run(args) -> int:
         argv = [
             "train", "--model", model, "--features", str(feats), "--out", str(run),
             "--ttt-steps", str(P["ttt_steps"]), "--draft-vocab", str(P["draft_vocab"]), "--lr", str(P["lr"]),
-            "--epochs", str(P["epochs"]), "--batch-tokens", str(P["batch_tokens"]), "--device", args.device,
+            "--epochs", str(P["epochs"]), "--batch-tokens", str(P["batch_tokens"]), "--device", cfg.device,
             "--eval-fraction", "0.05",
         ]
         if P["freeze_head"]:
@@ -145,8 +152,8 @@ def _run(args) -> int:
         lambda: _cli([
             "eval", "--model", model, "--draft", str(draft), "--out", str(report_path), "--bench", "mtbench",
             "--limit", str(P["eval_limit"]), "--steps", "3", "--topk", "1", "--temperature", "0",
-            "--max-new-tokens", str(P["eval_max_new_tokens"]), "--device", args.device,
-            "--baseline-limit", str(P["baseline_limit"]), "--workers", str(_eval_workers(P["eval_workers"], args.device)),
+            "--max-new-tokens", str(P["eval_max_new_tokens"]), "--device", cfg.device,
+            "--baseline-limit", str(P["baseline_limit"]), "--workers", str(_eval_workers(P["eval_workers"], cfg.device)),
         ]),
     )
     total = round(time.time() - t0, 1)

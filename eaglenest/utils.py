@@ -21,7 +21,7 @@ def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
-        return
+        return  # a file system that cannot open directories (e.g. Windows): the rename itself still happened
     try:
         os.fsync(fd)
     finally:
@@ -43,7 +43,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
-            pass
+            pass  # the temp file is already gone: nothing to clean up; the original error follows
         raise
     fsync_dir(path.parent)
 
@@ -189,7 +189,7 @@ def _malloc_trim():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return None
+        return None  # no glibc (macOS, musl): memory is not trimmed, which costs only resident size
 
 
 def usable_cpus() -> int:
@@ -206,7 +206,7 @@ def cpu_has_fast_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return False  # no /proc/cpuinfo (macOS): assume emulated bf16, the safe (fp32) choice
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -229,7 +229,7 @@ def machine_info() -> dict:
 
         info["transformers"] = transformers.__version__
     except ImportError:
-        pass
+        pass  # the record simply has no transformers version
     if torch.cuda.is_available():
         info["device"] = info["gpu"] = torch.cuda.get_device_name(0)
     else:
@@ -240,9 +240,9 @@ def machine_info() -> dict:
                     info["cpu_model"] = line.split(":", 1)[1].strip()
                     break
         except OSError:
-            pass
+            pass  # no /proc/cpuinfo: the record has no cpu_model (platform/processor still say what ran)
     try:
         info["load_average_at_start"] = os.getloadavg()  # other jobs on the machine skew CPU timings
     except OSError:
-        pass
+        pass  # load average not available on this OS: the record leaves it out
     return info

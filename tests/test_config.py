@@ -88,3 +88,92 @@ def test_the_readme_example_config_is_valid(tmp_path):
     y.write_text(block)
     cfg = config_from_args(train_args(["--config", str(y), "--epochs", "1"]))
     assert (cfg.model, cfg.ttt_steps, cfg.lr, cfg.report_to, cfg.epochs) == ("smollm2", 3, 1e-3, "tensorboard", 1.0)
+
+
+# Every other command: (argv before the options, YAML file, flags, what --print-config must show).
+# Each row has a value only the file sets, a flag that overrides the file, and a default nobody set.
+COMMANDS = [
+    (["prepare"], "model: smollm2\ndata: [a.jsonl, b.jsonl]\nout: d\nlimit: 5\n", ["--limit", "7"],
+     {"data": ["a.jsonl", "b.jsonl"], "limit": 7, "max_length": 2048}),
+    (["capture"], "model: m\nout: f\nbatch_tokens: 1024\ndtype: fp32\n", ["--dtype", "bf16"],  # the flag = the default
+     {"batch_tokens": 1024, "dtype": "bf16", "store_dtype": "auto"}),
+    (["regenerate"], "model: m\ndata: d\nout: o\ntemperature: 0\nmax_new_tokens: 64\n", ["--max-new-tokens", "512"],
+     {"temperature": 0.0, "max_new_tokens": 512, "batch_size": 32}),
+    (["eval"], "model: m\ndraft: d\nout: r.json\nsteps: 5\nengine_arg: [a=1]\n", ["--steps", "3", "--engine-arg", "b=2"],
+     {"model": "m", "steps": 3, "engine_arg": ["b=2"], "topk": 1}),  # a list flag replaces the file's list
+    (["export"], "run: r\nout: o\nengine: [vllm]\n", ["--engine", "sglang", "--engine", "vllm"],
+     {"run": "r", "engine": ["sglang", "vllm"], "model": None}),
+    (["check-draft"], "draft: d1\ntrained_layers: 2,15,27\n", ["d2"],  # a positional argument beats the file too
+     {"draft": "d2", "trained_layers": "2,15,27", "model": None}),
+    (["demo"], "out: x\nquick: true\n", ["--no-quick"], {"out": "x", "quick": False, "device": "auto"}),
+    (["features", "verify"], "store: s\nrepair: true\n", ["--no-repair"], {"store": "s", "repair": False}),
+    (["features", "info"], "store: s\n", ["s2"], {"store": "s2"}),
+    (["features", "stats"], "store: s\njson: true\n", ["--no-json"], {"store": "s", "json": False}),
+    (["features", "convert"], "store: s\nstore_dtype: fp8\nout: o\n", ["--store-dtype", "bf16"],
+     {"store": "s", "store_dtype": "bf16", "out": "o", "ignore_disk": False}),
+    (["features", "merge"], "stores: [a, b]\nout: o\n", ["c", "d"], {"stores": ["c", "d"], "out": "o", "ignore_disk": False}),
+]
+
+
+@pytest.mark.parametrize("command,text,flags,expect", COMMANDS, ids=[" ".join(c[0]) for c in COMMANDS])
+def test_every_command_takes_a_config_file_and_flags_win(tmp_path, capsys, command, text, flags, expect):
+    import yaml
+
+    y = tmp_path / "run.yaml"
+    y.write_text(text)
+    assert main([*command, "--config", str(y), *flags, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert {k: printed[k] for k in expect} == expect
+    y.write_text(text + "bogus_option: 1\n")  # unknown key: refused, naming file:line
+    assert main([*command, "--config", str(y), *flags, "--print-config"]) == 2
+    line = text.count("\n") + 1
+    assert f"{y}:{line}: bogus_option: unknown option" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,text,err", [
+    (["capture", "--model", "m", "--out", "o"], "engine: nope\n", "run.yaml:1: engine: 'nope' is not one of"),
+    (["prepare", "--model", "m", "--out", "o", "--data", "x"], "max_length: 0\n", "run.yaml:1: max_length: must be at least 1, got 0"),
+    (["prepare", "--model", "m", "--out", "o"], "data: a.jsonl\n", "run.yaml:1: data: expected a list, got 'a.jsonl'"),
+    (["prepare", "--model", "m", "--out", "o"], "data: [a.jsonl, 3]\n", "run.yaml:1: data: expected str, got 3"),
+    (["eval", "--model", "m", "--draft", "d"], "", "missing required option(s) --out"),
+    (["features", "merge", "--out", "o"], "", "missing required option(s) STORES"),
+])
+def test_file_values_go_through_the_flags_checks(tmp_path, capsys, argv, text, err):
+    """A choice, a positive-int check and a list's item type apply to the file's values as to the flags';
+    a required option given by neither is named."""
+    y = tmp_path / "run.yaml"
+    y.write_text(text)
+    assert main([*argv, "--config", str(y), "--print-config"]) == 2
+    assert err in capsys.readouterr().err
+
+
+def test_list_and_positional_fields(tmp_path):
+    @dataclass
+    class Toy:
+        inputs: list[str] = option(help="files", nargs="+")
+        tag: list[str] = option(default_factory=list, help="repeatable")
+        where: str | None = option(None, "a positional", positional=True)
+        no_check: bool = option(False, "a negative switch")
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, Toy)
+    assert from_args(p.parse_args(["--inputs", "a", "b", "--tag", "x", "--tag", "y", "here", "--no-check"]), Toy) == \
+        Toy(inputs=["a", "b"], tag=["x", "y"], where="here", no_check=True)
+    y = tmp_path / "t.yaml"
+    y.write_text("inputs: [f]\ntag: [z]\nwhere: there\n")
+    assert from_args(p.parse_args(["--config", str(y)]), Toy) == Toy(inputs=["f"], tag=["z"], where="there")
+    assert from_args(p.parse_args(["--config", str(y), "--tag", "w"]), Toy).tag == ["w"]
+    assert from_args(p.parse_args(["--inputs", "a"]), Toy) == Toy(inputs=["a"])
+
+
+def test_the_readme_eval_example_config_is_valid(tmp_path, capsys):
+    import yaml
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("# eval.yaml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
+    y = tmp_path / "eval.yaml"
+    y.write_text(block)
+    assert main(["eval", "--config", str(y), "--limit", "5", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert (cfg["model"], cfg["limit"], cfg["max_new_tokens"], cfg["temperature"]) == ("smollm2", 5, 128, 0.0)

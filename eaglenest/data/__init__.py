@@ -1,10 +1,14 @@
-"""The `prepare` stage: conversations -> token ids + loss masks in a DATA_DIR, and its reader.
+"""Prepare (and regenerate): conversations -> the target's chat template -> token ids and loss masks
+in a DATA_DIR (parquet shards + meta.json), and its reader.
 
-    from eaglenest.data import PreparedData
+Public entry: `prepare(model=, data=, out=, ...)` (`eaglenest prepare`, options: PrepareConfig in
+config.py); later stages read the result with `PreparedData(DATA_DIR)`:
+
     d = PreparedData(DATA_DIR)
     for s in d: s.id, s.input_ids, s.loss_mask
 
-`write_prepared` / `PreparedWriter` write the same layout for later stages (regenerate).
+`eaglenest regenerate` (regenerate.py, RegenerateConfig) rewrites the assistant turns with the
+target's own answers; `write_prepared` / `PreparedWriter` write the same layout.
 """
 
 from eaglenest.data.pipeline import prepare

@@ -1,6 +1,9 @@
-"""The EAGLE-3 draft head: `Eagle3Draft(DraftConfig)` (model.py, read top to bottom), its attention
-kernels (kernels.py: chunked and flex causal attention for training) and its reduced vocabulary
-(vocab.py)."""
+"""Draft: the EAGLE-3 draft head that train fits and export writes: `Eagle3Draft(DraftConfig)`
+(model.py, read top to bottom), its attention kernels (kernels.py: chunked and flex causal
+attention for training), its per-family shape (shape.py) and its reduced vocabulary (vocab.py).
+
+Public entry: `Eagle3Draft(DraftConfig(...))`.
+"""
 
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab, check_vocab

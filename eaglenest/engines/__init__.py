@@ -1,6 +1,10 @@
-"""Engines behind one narrow interface (base.Engine).  An engine is one module in this package
-exposing `NAME`, `add_arguments(parser)` and `create(args) -> Engine`; adding an engine touches
-that one file: the CLI discovers engines by scanning this package."""
+"""Engines: what runs the target for capture, regenerate and online training (hf in this process;
+vllm and sglang as servers through http.py's one client), behind one narrow interface
+(base.Engine).
+
+Public entry: `get_engine_module(NAME).create(args) -> Engine`.  An engine is one module in this
+package exposing `NAME`, `add_arguments(parser)` and `create(args)`; adding an engine touches that
+one file: the CLI discovers engines by scanning this package."""
 
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ def engine_modules(errors: dict | None = None) -> dict:
         if hasattr(mod, "create") and hasattr(mod, "NAME"):
             mods[mod.NAME] = mod
     return mods
+
+
+def engine_names() -> list[str]:
+    """The engines that import here: the choices of every --engine that runs the target."""
+    return sorted(engine_modules())
 
 
 def get_engine_module(name: str):

@@ -122,8 +122,8 @@ def accepts_kwarg(fn, name: str) -> bool:
         try:
             params = inspect.signature(fn).parameters
             _ACCEPTS[key] = name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        except (TypeError, ValueError):
-            _ACCEPTS[key] = False
+        except (TypeError, ValueError):  # no readable signature: treated as not accepting it, which the
+            _ACCEPTS[key] = False        # caller reports ("NOT observing ...") instead of patching blind
     return _ACCEPTS[key]
 SPECS = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V2)
 
@@ -326,11 +326,11 @@ def _tp_rank() -> int:
 
 
 def _sglang_version() -> str:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("sglang")
-    except Exception:
+    except PackageNotFoundError:  # a source checkout without metadata: the version only labels messages
         return "unknown"
 
 

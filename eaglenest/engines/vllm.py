@@ -203,7 +203,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
             key, val = line.rsplit(" ", 1)
             v = float(val)
         except ValueError:
-            continue
+            continue  # not a `name value` sample line: no metric to read from it
         out[key] = v
         if "{" in key:
             name = key.split("{", 1)[0]

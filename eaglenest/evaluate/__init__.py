@@ -1,3 +1,6 @@
-"""Evaluation: EAGLE-3 speculative decoding (tau, acceptance per position, speedup) on MT-bench
-or a prompt file.  `specdec` is the decoder, `mtbench` the prompts, `run` the `eaglenest eval`
-command (engines other than transformers plug in as `engine_<name>.py` modules)."""
+"""Evaluate: EAGLE-3 speculative decoding of a draft over its target on MT-bench or a prompt file:
+tau, acceptance per position, speedup against plain decoding, and greedy equivalence.
+
+Public entry: `run.evaluate(args)` -> the report dict, also written to args.out (`eaglenest eval`;
+args: EvalConfig's fields (config.py) plus the evaluators' flags).  specdec.py is the decoder, exact.py the exactness probe, mtbench.py the
+prompts; engines other than transformers plug in as `engine_<name>.py` modules."""

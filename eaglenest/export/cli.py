@@ -1,11 +1,16 @@
-"""`eaglenest export --run RUN_DIR --out DRAFT_DIR` and `eaglenest check-draft DRAFT_DIR --model TARGET`."""
+"""`eaglenest export --run RUN_DIR --out DRAFT_DIR` and `eaglenest check-draft DRAFT_DIR --model TARGET`: options
+are ExportConfig's and CheckDraftConfig's fields (eaglenest/export/config.py)."""
 
 from __future__ import annotations
 
 import sys
 
+from eaglenest.config import Command, add_arguments
+
 
 def register(sub) -> None:
+    from eaglenest.export.config import CheckDraftConfig, ExportConfig
+
     p = sub.add_parser(
         "export",
         help="write the portable EAGLE-3 checkpoint (SGLang + vLLM)",
@@ -13,14 +18,10 @@ def register(sub) -> None:
         "layout both SGLang and vLLM load (fc, midlayer.*, norm, lm_head, d2t, t2d; bf16; no embed_tokens). "
         "Aux layer ids are written so that each engine captures the trained layers on this target's class "
         "(docs/sglang.md); a layer set an engine cannot express is refused with the reason. "
-        "The result is validated before the command returns.",
+        "The result is validated before the command returns. Options can come from a YAML file (--config; flags win).",
     )
-    p.add_argument("--run", required=True, help="training run directory")
-    p.add_argument("--out", required=True, help="draft directory to write")
-    p.add_argument("--model", default=None, help="target to validate against (default: the run's target)")
-    p.add_argument("--engine", action="append", choices=["sglang", "vllm"], default=None,
-                   help="engine(s) the draft must be servable by (repeatable; default: both)")
-    p.set_defaults(func=_export)
+    add_arguments(p, ExportConfig)
+    p.set_defaults(func=Command(ExportConfig, _export))
 
     c = sub.add_parser(
         "check-draft",
@@ -28,19 +29,14 @@ def register(sub) -> None:
         description="Validate keys, shapes, dtypes, d2t/t2d consistency, vocab sizes, rope, max_position_embeddings "
         "and aux layer ids of a draft (eaglenest's, SpecForge's, TorchSpec's or the speculators format) against its "
         "target, judged the way each consumer uses it: sglang (0.5.23), vllm (0.32), hf (eaglenest eval). "
-        "Exit 1 with the reasons on any problem for the checked consumers.",
+        "Exit 1 with the reasons on any problem for the checked consumers. Options can come from a YAML file "
+        "(--config; flags win).",
     )
-    c.add_argument("draft", help="draft directory")
-    c.add_argument("--model", default=None, help="target checkpoint directory or known name (smollm2)")
-    c.add_argument("--engine", action="append", choices=["sglang", "vllm", "hf"], default=None,
-                   help="consumer(s) to check for (repeatable; default: all three)")
-    c.add_argument("--trained-layers", default=None, metavar="A,B,C",
-                   help="the layers the draft was trained on, capture-before (HF hidden_states index), when its "
-                   "config does not say it the way its trainer's convention is read (see docs/sglang.md)")
-    c.set_defaults(func=_check)
+    add_arguments(c, CheckDraftConfig)
+    c.set_defaults(func=Command(CheckDraftConfig, _check))
 
 
-def _export(args) -> int:
+def _export(cfg, args) -> int:
     from pathlib import Path
 
     from eaglenest.export.check import assert_draft_ok
@@ -48,27 +44,27 @@ def _export(args) -> int:
     from eaglenest.export.run import export_run
     from eaglenest.utils import read_json
 
-    engines = tuple(args.engine or ENGINES)
-    out = export_run(args.run, args.out, engines)
-    model = args.model or read_json(Path(args.run) / "config.json")["target"]
+    engines = tuple(cfg.engine or ENGINES)
+    out = export_run(cfg.run, cfg.out, engines)
+    model = cfg.model or read_json(Path(cfg.run) / "config.json")["target"]
     for w in assert_draft_ok(out, model, engines=(*engines, "hf")):
         print(f"warning: {w}", file=sys.stderr)
     print(out)
     return 0
 
 
-def _check(args) -> int:
+def _check(cfg, args) -> int:
     from eaglenest import EaglenestError
     from eaglenest.export.check import CONSUMERS, judge_draft
 
     trained = None
-    if args.trained_layers:
+    if cfg.trained_layers:
         try:
-            trained = [int(x) for x in args.trained_layers.split(",")]
+            trained = [int(x) for x in cfg.trained_layers.split(",")]
         except ValueError:
-            raise EaglenestError(f"--trained-layers must be integers like 2,15,27 (got {args.trained_layers!r})") from None
-    r = judge_draft(args.draft, args.model, trained)
-    consumers = tuple(args.engine or CONSUMERS)
+            raise EaglenestError(f"--trained-layers must be integers like 2,15,27 (got {cfg.trained_layers!r})") from None
+    r = judge_draft(cfg.draft, cfg.model, trained)
+    consumers = tuple(cfg.engine or CONSUMERS)
     for n in r.notes:
         print(f"note: {n}")
     for w in r.warnings:
@@ -77,5 +73,5 @@ def _check(args) -> int:
     for e in errors:
         print(f"error: {e}")
     verdicts = ", ".join(f"{c} {'OK' if r.ok_for(c) else 'NO'}" for c in consumers)
-    print(f"{args.draft}: {verdicts}" + ("" if not errors else f" ({len(errors)} problem(s))"))
+    print(f"{cfg.draft}: {verdicts}" + ("" if not errors else f" ({len(errors)} problem(s))"))
     return 1 if errors else 0

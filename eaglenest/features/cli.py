@@ -1,16 +1,20 @@
-"""`eaglenest features verify|info|stats|convert|merge`."""
+"""`eaglenest features verify|info|stats|convert|merge`: options are the fields of the configs in
+eaglenest/features/config.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from eaglenest.config import Command, add_arguments
+
 
 def register(sub) -> None:
-    from eaglenest.features.store import STORE_DTYPES
+    from eaglenest.features.config import ConvertConfig, InfoConfig, MergeConfig, StatsConfig, VerifyConfig
 
     p = sub.add_parser("features", help="inspect, verify, convert or merge feature stores",
-                       description="Inspect, verify, convert or merge feature stores.")
+                       description="Inspect, verify, convert or merge feature stores. Each action's options can come "
+                       "from a YAML file (--config; flags win).")
     fsub = p.add_subparsers(dest="features_command", metavar="ACTION", required=True)
     v = fsub.add_parser(
         "verify",
@@ -18,21 +22,19 @@ def register(sub) -> None:
         description="Re-check every sample's checksum and shapes. Damaged samples are named; with --repair they "
         "are removed from the manifest so that re-running the same `eaglenest capture` re-creates just them.",
     )
-    v.add_argument("store", help="feature store directory")
-    v.add_argument("--repair", action="store_true", help="drop damaged samples from the manifest")
-    v.set_defaults(func=_verify)
+    add_arguments(v, VerifyConfig)
+    v.set_defaults(func=Command(VerifyConfig, _verify))
     i = fsub.add_parser("info", help="print store metadata and counts")
-    i.add_argument("store", help="feature store directory")
-    i.set_defaults(func=_info)
+    add_arguments(i, InfoConfig)
+    i.set_defaults(func=Command(InfoConfig, _info))
     s = fsub.add_parser(
         "stats",
         help="samples, tokens, bytes, dtype, layers, target, failures",
         description="Samples, tokens, bytes on disk (and per token), store dtype, layer ids, target fingerprint and "
         "the failures still open (samples that failed capture and are not stored yet), by reason.",
     )
-    s.add_argument("store", help="feature store directory")
-    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    s.set_defaults(func=_stats)
+    add_arguments(s, StatsConfig)
+    s.set_defaults(func=Command(StatsConfig, _stats))
     c = fsub.add_parser(
         "convert",
         help="re-encode a store into another store dtype (e.g. fp8)",
@@ -42,11 +44,8 @@ def register(sub) -> None:
         "same command after an interruption finishes it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    c.add_argument("store", help="source feature store directory")
-    c.add_argument("--store-dtype", required=True, choices=sorted(STORE_DTYPES), help="dtype of the new store")
-    c.add_argument("--out", required=True, help="new feature store directory (created or resumed)")
-    c.add_argument("--ignore-disk", action="store_true", help="start even if the size estimate exceeds free space")
-    c.set_defaults(func=_convert)
+    add_arguments(c, ConvertConfig)
+    c.set_defaults(func=Command(ConvertConfig, _convert))
     m = fsub.add_parser(
         "merge",
         help="merge stores captured on several machines into one",
@@ -55,40 +54,38 @@ def register(sub) -> None:
         "from the first (counted); failures not stored anywhere are carried over; resumable.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    m.add_argument("stores", nargs="+", help="feature store directories (two or more)")
-    m.add_argument("--out", required=True, help="merged feature store directory (created or resumed)")
-    m.add_argument("--ignore-disk", action="store_true", help="start even if the size estimate exceeds free space")
-    m.set_defaults(func=_merge)
+    add_arguments(m, MergeConfig)
+    m.set_defaults(func=Command(MergeConfig, _merge))
 
 
-def _verify(args) -> int:
+def _verify(cfg, args) -> int:
     from eaglenest.features import FeatureStore
 
-    fs = FeatureStore(args.store)
+    fs = FeatureStore(cfg.store)
     problems = fs.verify()
     for p in problems:
         print(f"damaged: {p['id']} (shard {p['shard']}): {p['reason']}")
-    if problems and args.repair:
+    if problems and cfg.repair:
         fs.drop({p["id"] for p in problems})
         print(f"dropped {len(problems)} damaged samples; re-run `eaglenest capture` with the same arguments to re-create them")
-    print(f"{len(fs) if not args.repair else len(fs) + len(problems)} samples checked, {len(problems)} damaged")
-    return 1 if problems and not args.repair else 0
+    print(f"{len(fs) if not cfg.repair else len(fs) + len(problems)} samples checked, {len(problems)} damaged")
+    return 1 if problems and not cfg.repair else 0
 
 
-def _info(args) -> int:
+def _info(cfg, args) -> int:
     from eaglenest.features import FeatureStore
 
-    fs = FeatureStore(args.store)
+    fs = FeatureStore(cfg.store)
     print(json.dumps({**fs.meta.to_dict(), "samples": len(fs), "tokens": fs.n_tokens, "bytes": fs.bytes_on_disk()}, indent=2))
     return 0
 
 
-def _stats(args) -> int:
+def _stats(cfg, args) -> int:
     from eaglenest.features.ops import stats
     from eaglenest.utils import human_bytes
 
-    st = stats(args.store)
-    if args.json:
+    st = stats(cfg.store)
+    if cfg.json:
         print(json.dumps(st, indent=2))
         return 0
     rows = [
@@ -105,15 +102,15 @@ def _stats(args) -> int:
     return 0
 
 
-def _convert(args) -> int:
+def _convert(cfg, args) -> int:
     from eaglenest.features.ops import convert
 
-    s = convert(args.store, args.out, args.store_dtype, ignore_disk=args.ignore_disk)
+    s = convert(cfg.store, cfg.out, cfg.store_dtype, ignore_disk=cfg.ignore_disk)
     return 1 if s.damaged else 0
 
 
-def _merge(args) -> int:
+def _merge(cfg, args) -> int:
     from eaglenest.features.ops import merge
 
-    s = merge(args.stores, args.out, ignore_disk=args.ignore_disk)
+    s = merge(cfg.stores, cfg.out, ignore_disk=cfg.ignore_disk)
     return 1 if s.damaged else 0

@@ -103,14 +103,15 @@ def _copy_samples(sources: list[FeatureStore], writer: FeatureWriter, reencode: 
                         else:  # stored by an earlier, interrupted run
                             s.skipped_done += 1
                         continue
+                    why = "checksum mismatch"
                     try:
                         raw = fs.load_stored(i)
                         ok = sample_checksum(raw, fs.meta.dtype) == e["sha256"]
-                    except Exception:  # a missing, truncated or garbled shard
+                    except Exception as x:  # a missing, truncated or garbled shard: reported as damaged, with why
                         fs._handles.pop(e["shard"], None)
-                        ok = False
+                        ok, why = False, f"unreadable shard {e['shard']}: {type(x).__name__}: {x}"
                     if not ok:
-                        s.damaged.append(f"{fs.root}: {e['id']}")
+                        s.damaged.append(f"{fs.root}: {e['id']} ({why})")
                         continue
                     kept[e["id"]] = e["sha256"]
                     batch.append((e["id"], decode_sample(raw) if reencode else raw))

@@ -1,9 +1,10 @@
-"""Training stage: `eaglenest train` fits the EAGLE-3 draft with training-time test on a feature
-store, or (`--online`) on states an engine captures while training.  Public entry:
-`Trainer(TrainConfig(...)).fit()`.  Pieces: config.py (options), setup.py (vocabulary, model,
-teacher, optimizer), data.py + loader.py (order, prefetched reads), online.py (the engine as the
-data source), checkpoint.py (run directory, resume), distributed.py (torchrun), metrics.py, ttt.py
-(the loss)."""
+"""Train: `eaglenest train` fits the EAGLE-3 draft with training-time test on a feature store, or
+(`--online`) on states an engine captures while training.
+
+Public entry: `Trainer(TrainConfig(...)).fit()`.  Pieces: config.py (options), setup.py
+(vocabulary, model, teacher, optimizer), data.py + loader.py (order, prefetched reads), online.py
+(the engine as the data source), checkpoint.py (run directory, resume), distributed.py
+(torchrun), metrics.py, ttt.py (the loss)."""
 
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.trainer import Trainer
