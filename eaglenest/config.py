@@ -244,3 +244,13 @@ class Command:
             return 0
         vars(args).update(dataclasses.asdict(cfg))
         return self.run(cfg, args)
+
+
+def add_command(sub, cls, run, *args, **kwargs) -> argparse.ArgumentParser:
+    """`sub.add_parser(*args, **kwargs)` with one flag per field of `cls`, --config and
+    --print-config, and `Command(cls, run)` as its func: how every subcommand is declared."""
+    p = sub.add_parser(*args, **kwargs)
+    add_arguments(p, cls)
+    p.set_defaults(func=Command(cls, run))
+    return p
+

