@@ -119,14 +119,18 @@ def add_arguments(p) -> None:
                    "(repeatable)")
 
 
+def check_server_choice(urls, serve: bool, needs: str) -> None:
+    """Exactly one of: running servers (URLs) or --sglang-serve.  `needs` opens the error for neither."""
+    if urls and serve:
+        raise EaglenestError("give either --sglang-url (running servers) or --sglang-serve (start one), not both")
+    if not urls and not serve:
+        raise EaglenestError(f"{needs} or --sglang-serve (start SGLang's CPU engine here)")
+
+
 def create(args) -> "SGLangEngine":
     urls = getattr(args, "sglang_url", None) or []
     serve = getattr(args, "sglang_serve", False)
-    if urls and serve:
-        raise EaglenestError("give either --sglang-url (use running servers) or --sglang-serve (start one), not both")
-    if not urls and not serve:
-        raise EaglenestError("--engine sglang needs --sglang-url URL (a running SGLang server; see docs/sglang.md) or "
-                             "--sglang-serve (start SGLang's CPU engine here)")
+    check_server_choice(urls, serve, "--engine sglang needs --sglang-url URL (a running SGLang server; see docs/sglang.md)")
     return SGLangEngine(
         args.model,
         urls=urls,

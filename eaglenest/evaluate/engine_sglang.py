@@ -58,12 +58,10 @@ def _urls(args) -> tuple[list[str], list[str]]:
     if ea.get("url"):
         urls += [u for u in ea["url"].split(",") if u]
     base = [u for u in (ea.get("baseline_url") or "").split(",") if u]
-    serve = getattr(args, "sglang_serve", False)
-    if urls and serve:
-        raise EaglenestError("give either --sglang-url (a running server) or --sglang-serve (start one), not both")
-    if not urls and not serve:
-        raise EaglenestError("eval --engine sglang needs a running server (--sglang-url URL or --engine-arg url=URL; "
-                             "launch flags: docs/sglang.md) or --sglang-serve")
+    from eaglenest.engines.sglang import check_server_choice
+
+    check_server_choice(urls, getattr(args, "sglang_serve", False), "eval --engine sglang needs a running server "
+                        "(--sglang-url URL or --engine-arg url=URL; launch flags: docs/sglang.md)")
     return urls, base
 
 
