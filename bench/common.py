@@ -17,11 +17,29 @@ def machine() -> dict:
     return machine_info()
 
 
+def git_state() -> dict:
+    """The commit the benchmark ran at and whether the tree had uncommitted changes (a result from a
+    dirty tree cannot be reproduced from its commit alone)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.CalledProcessError):
+        return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
+
+
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
     result.setdefault("command", " ".join([os.path.basename(sys.executable)] + sys.argv))
     result.setdefault("machine", machine())
+    for k, v in git_state().items():
+        result.setdefault(k, v)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
