@@ -27,3 +27,12 @@ def cpu_kind(cpuinfo: str | None = None) -> str | None:
     if fields.get("vendor_id") == "AuthenticAMD" and "avx512_bf16" in flags:
         return "amd-avx512-bf16"
     return None
+
+
+def require_exact_on_ci_cpus(verification: dict, kind: str | None = None) -> None:
+    """A report's `verification` block must say exact on a CI CPU kind (elsewhere it may not)."""
+    kind = cpu_kind() if kind is None else kind
+    if kind and not verification["exact"]:
+        ends = verification.get("probe_result", {}).get("end_to_end") or [{}]
+        raise AssertionError(f"verification is not bit-identical on a {kind} CPU (one CI runs on), where it must be: "
+                             f"{ends[-1].get('first_difference')}")

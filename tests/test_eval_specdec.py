@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_kind import cpu_kind
+from cpu_kind import cpu_kind, require_exact_on_ci_cpus
 from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
 
 from eaglenest.evaluate import exact
@@ -44,6 +44,9 @@ def test_not_exact_fails_on_ci_cpu_kinds_and_skips_elsewhere():
     with pytest.raises(pytest.skip.Exception, match="row 3"):
         _require_exact(not_exact, "")  # "" = a CPU of no CI kind
     _require_exact({"exact": True})
+    with pytest.raises(AssertionError, match="row 3"):  # the eval reports' check (tests/test_eval_cli.py)
+        require_exact_on_ci_cpus(not_exact, "intel-amx")
+    require_exact_on_ci_cpus(not_exact, "")
 
 
 def test_cpu_kind_reads_the_flags():
