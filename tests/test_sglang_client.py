@@ -103,6 +103,8 @@ def test_stock_mode(tiny_llama_dir, data_dir, hf_store, standin, tmp_path, capsy
     assert main(base + ["--out", str(out), "--sglang-aux-url", aux.url]) == 0
     stores_match(out, hf_store)
     assert all(b.get("return_hidden_states") is True for b in final.requests + aux.requests)
+    # not the plugin's rid prefix: a server that also runs the plugin leaves no staging files for them
+    assert all(r.startswith("eaglenest-stock-") for b in final.requests + aux.requests for r in b["rid"])
 
 
 FIVE = "2,3,4,5,6"  # spread_layer_ids(8, 5): a DFlash layer set on the 8-layer target

@@ -56,6 +56,7 @@ from eaglenest.engines.sglang.preflight import aux_server_problem, preflight_pro
 from eaglenest.engines.sglang.protocol import (
     CAPTURE_RID_PREFIX,
     GENERATE_RID_PREFIX,
+    STOCK_RID_PREFIX,
     TARGET_SGLANG_VERSION,
     capture_sampling,
     check_item,
@@ -437,7 +438,7 @@ class SGLangEngine(Engine):
 
         got = {}
         for name, client in (("final", self.client), ("aux", self.aux_client)):
-            res, _ = self._post_isolating(client, reqs, CAPTURE_RID_PREFIX, capture_sampling(), extra_key=True, hidden=True)
+            res, _ = self._post_isolating(client, reqs, STOCK_RID_PREFIX, capture_sampling(), extra_key=True, hidden=True)
             got[name] = res
         out = []
         H = self.hidden_size

@@ -19,6 +19,9 @@ from eaglenest.engines.sglang import plugin
 TARGET_SGLANG_VERSION = plugin.TARGET_SGLANG_VERSION
 CAPTURE_RID_PREFIX = plugin.DEFAULT_RID_PREFIX  # the plugin only observes rids with this prefix
 GENERATE_RID_PREFIX = "eaglenest-gen-"
+# stock-mode capture: not the plugin's prefix, so a server that also runs the plugin writes no
+# staging files for these requests (nobody would collect them)
+STOCK_RID_PREFIX = "eaglenest-stock-"
 CAPTURE_MAX_NEW_TOKENS = 1  # 0 also prefills on 0.5.23 (Req.is_prefill_only), 1 works on every version
 
 # the GenerateReqInput fields this client sends (all present in SGLang 0.5.23)
