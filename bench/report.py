@@ -76,8 +76,8 @@ def load_module(name: str, render_dir: Path):
         raise ReportError(f"README block 'report:{name}' names {path}, which does not exist")
     spec = importlib.util.spec_from_file_location(f"eaglenest_render_{name}", path)
     mod = importlib.util.module_from_spec(spec)
-    if str(render_dir) not in sys.path:  # render modules may share helpers of their folder
-        sys.path.insert(0, str(render_dir))
+    if str(render_dir) not in sys.path:  # render modules may share helpers of their folder (last: never shadows a library)
+        sys.path.append(str(render_dir))
     spec.loader.exec_module(mod)
     for attr in ("FILES", "render"):
         if not hasattr(mod, attr):

@@ -26,7 +26,7 @@ def test_readme_equals_its_rendering_from_the_result_files():
     p = run_report("--check")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     blocks = re.findall(r"<!-- report:(\w+) -->", (ROOT / "README.md").read_text())
-    assert "numbers" in blocks  # the measured-results table is one of them
+    assert "measured" in blocks  # the measured-results table is one of them
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def args(d: Path) -> list[str]:
 
 def test_check_fails_on_a_number_edited_by_hand_and_rewrite_restores_it(copy):
     text = (copy / "README.md").read_text()
-    m = re.search(r"<!-- report:numbers -->\n(.*?)<!-- /report:numbers -->", text, re.S)
+    m = re.search(r"<!-- report:measured -->\n(.*?)<!-- /report:measured -->", text, re.S)
     body = m.group(1)
     number = re.search(r"\d+\.(\d)", body)  # the first decimal number in the table: change its first decimal
     bumped = str((int(number.group(1)) + 1) % 10)
@@ -61,7 +61,7 @@ def test_check_fails_on_a_number_edited_by_hand_and_rewrite_restores_it(copy):
 
 
 def test_check_fails_on_a_result_file_without_provenance(copy):
-    f = copy / "results" / "capture_cpu.json"  # a file the numbers block reads
+    f = copy / "results" / "capture_cpu.json"  # a file the measured block reads
     r = json.loads(f.read_text())
     for field in ("command", "git_commit", "date", "machine"):
         bad = dict(r)
@@ -83,7 +83,7 @@ def test_check_fails_on_a_missing_module_a_missing_file_or_an_unclosed_block(cop
     p = run_report("--check", *args(copy))
     assert p.returncode == 1 and "no_such_module.py, which does not exist" in p.stderr, p.stderr
 
-    readme.write_text(text + "\n<!-- report:numbers -->\nsecond copy\n")
+    readme.write_text(text + "\n<!-- report:measured -->\nsecond copy\n")
     p = run_report("--check", *args(copy))
     assert p.returncode == 1 and ("opens inside" in p.stderr or "never closed" in p.stderr), p.stderr
 
@@ -110,3 +110,29 @@ def test_a_missing_field_raises_and_is_never_defaulted(tmp_path):
     (tmp_path / "results" / "x.json").write_text(json.dumps({**prov, "tau": 1.5, "speedup": 0.9}))
     assert run_report(*args(tmp_path)).returncode == 0
     assert readme.read_text() == "# t\n\n<!-- report:x -->\ntau 1.50, speedup 0.90x\n<!-- /report:x -->\n"
+
+
+def test_git_state_counts_code_changes_not_result_files(tmp_path):
+    """A result records the commit it ran at and whether the code differed from it; a benchmark
+    series run from one commit rewrites result files in turn, which must not count as dirty."""
+    import importlib.util
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "common.py", tmp_path / "bench" / "common.py")
+    (tmp_path / "bench" / "results" / "a.json").write_text("{}\n")
+
+    def git(*a):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    spec = importlib.util.spec_from_file_location("bench_common_copy", tmp_path / "bench" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.git_state() == {"git_commit": git("rev-parse", "HEAD"), "git_dirty": False}
+    (tmp_path / "bench" / "results" / "a.json").write_text('{"tau": 1}\n')  # an earlier benchmark of the series
+    assert common.git_state()["git_dirty"] is False
+    (tmp_path / "bench" / "common.py").write_text((tmp_path / "bench" / "common.py").read_text() + "\n# edited\n")
+    assert common.git_state()["git_dirty"] is True
