@@ -19,7 +19,8 @@ def machine() -> dict:
 
 def git_state() -> dict:
     """The commit the benchmark ran at and whether the tree had uncommitted changes (a result from a
-    dirty tree cannot be reproduced from its commit alone)."""
+    dirty tree cannot be reproduced from its commit alone).  Result files do not count: a series of
+    benchmarks run from one commit rewrites them one after the other."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
@@ -28,7 +29,8 @@ def git_state() -> dict:
         return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS.relative_to(root)}")
+        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
 

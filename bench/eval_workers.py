@@ -48,13 +48,17 @@ def main() -> int:
             runs[w] = {"wall_s": round(wall, 1), "eval_elapsed_s": r["elapsed_s"], "tau": r["tau"],
                        "spec_tokens_per_s_per_process": round(r["spec_tokens_per_s"], 2),
                        "baseline_tokens_per_s_per_process": round(r["baseline_tokens_per_s"], 2),
-                       "greedy_matches_baseline": r["greedy_matches_baseline"]}
+                       "greedy_matches_baseline": r["greedy_matches_baseline"], "baseline_prompts": r["baseline_prompts"],
+                       "texts_compared": r["texts_compared"], "generated_tokens": r["generated_tokens"]}
             outputs[w] = [p["output_ids"] for p in r["per_prompt"]]
             print(w, runs[w])
     ws = list(outputs)
     result = {"kind": "eval_workers_cpu", "draft": a.draft, "limit": a.limit, "max_new_tokens": a.max_new_tokens, "runs": runs,
-              "same_outputs": all(outputs[w] == outputs[ws[0]] for w in ws) if ws else None}
+              # the speculative outputs of every setting compared with the first one's, generation by generation
+              "same_outputs": all(outputs[w] == outputs[ws[0]] for w in ws) if ws else None,
+              "outputs_compared": min(len(o) for o in outputs.values()) if ws else 0}
     if "1" in runs and len(ws) > 1 and "error" not in runs["1"]:
+        # the whole `eval` (model loads in each process included), not a per-process decode rate
         result["speedup_vs_1"] = {w: round(runs["1"]["eval_elapsed_s"] / runs[w]["eval_elapsed_s"], 2) for w in ws if w != "1"}
     write_result("eval_workers_cpu", result)
     return 0

@@ -75,7 +75,8 @@ def run_target(name: str, out: Path, recipe: dict) -> dict:
         "vocab": cfg["vocab_size"], "train_dtype": dtype, "train_steps": rc["total_steps"], "train_tokens": rc["n_train_tokens"],
         "draft_shape": {k: rc["draft"][k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")},
         "held_out": final.get("eval"), "tau": r["tau"], "accept_per_position": r["accept_per_position"],
-        "greedy_matches_baseline": r["greedy_matches_baseline"], "speedup": r.get("speedup"), "n_prompts": r["n_prompts"],
+        "greedy_matches_baseline": r["greedy_matches_baseline"], "baseline_prompts": r["baseline_prompts"],
+        "texts_compared": r["texts_compared"], "speedup": r.get("speedup"), "n_prompts": r["n_prompts"],
         "generated_tokens": r["generated_tokens"], "verify_steps": r["verify_steps"], "stage_seconds": times, "loadavg": load,
     }
 

@@ -94,7 +94,7 @@ def main() -> None:
         "server_start_to_first_answer_s": round(start_s, 1),
         "capture_tokens_per_s": {"sglang_plugin": round(n_tok / sgl_s, 1), "hf": round(n_tok / hf_s, 1)},
         "min_token_cosine": {"aux_layers": round(min(cos["aux"]), 7), "final_state": round(min(cos["final"]), 7)},
-        "greedy_equal_prompts": f"{sum(same)}/{len(same)} (first 64 prompt tokens, {a.max_new_tokens} new tokens)",
+        "greedy": {"texts_compared": len(same), "equal": sum(same), "prompt_tokens": 64, "max_new_tokens": a.max_new_tokens},
         "client_requests": {k: v for k, v in (stats or {}).items() if k != "records"},
         "server_versions": versions,
         "note": "shared 2-core machine: speeds are indicative; the cosines and equality do not depend on load",

@@ -235,7 +235,6 @@ def report(args) -> None:
     out = {"kind": "store_dtype", "target": "SmolLM2-135M-Instruct (hidden 576)",
            "recipe": "the demo's full preset (1,500 ShareGPT conversations <= 512 tokens, TTT 3, draft vocab 8192, lr 1e-3, "
                      "1024-token batches, 2 epochs, bf16 autocast, seed 0), identical for every variant",
-           "eval": f"MT-bench first turns, questions 1-{args.limit}, 128 new tokens, 3 steps, topk 1, greedy, hf engine",
            "topk_k": TOPK, "variants": {}}
     proxy = {}
     if (root / "mt_proxy.jsonl").exists():
@@ -248,7 +247,8 @@ def report(args) -> None:
         fs = FeatureStore(root / v)
         H = fs.meta.hidden_size
         rec = {"bytes_per_token": topk_bytes_per_token(H) if v == "topk" else bytes_per_token(H, v),
-               "bytes_on_disk_per_token": round(fs.bytes_on_disk() / fs.n_tokens, 1) if v != "topk" else None}
+               "bytes_on_disk_per_token": round(fs.bytes_on_disk() / fs.n_tokens, 1) if v != "topk" else None,
+               "samples": len(fs), "tokens": fs.n_tokens}  # what the on-disk bytes were measured over
         run = root / "runs" / v
         if (run / "final.json").exists():
             ev = json.loads((run / "final.json").read_text())["eval"]
@@ -280,8 +280,10 @@ def report(args) -> None:
         out["capture_speed"] = {**cs, "median_tokens_per_s": {d: sorted(r["tokens_per_s"] for r in runs)[len(runs) // 2] for d, runs in cs["runs"].items()}}
     out["bytes_per_token_kimi_k25_shape"] = {v: topk_bytes_per_token(7168) if v == "topk" else bytes_per_token(7168, v) for v in VARIANTS}
     out["goal"] = "|tau_fp8 - tau_bf16| <= 1% of tau_bf16, bytes/token <= 0.55x bf16"
-    out["shared_machine"] = ("2 CPU cores shared with up to 4 other engineers' jobs (load 5-14): speeds are pessimistic and noisy; "
-                             "variants were trained in pairs at the same time, one thread each, so each pair saw the same load")
+    out["trained_variants"] = [v for v in V if "steps" in V[v]]
+    out["decoded_variants"] = [v for v in V if "tau" in V[v]]  # tau is measured only for these
+    if out["decoded_variants"]:
+        out["eval"] = f"MT-bench first turns, questions 1-{args.limit}, 128 new tokens, 3 steps, topk 1, greedy, hf engine"
     common.write_result("store_dtype", out)
 
 

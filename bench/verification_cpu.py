@@ -154,6 +154,7 @@ def main() -> int:
     result = {
         "kind": "verification_cpu", "target": "smollm2 (bf16)", "draft": a.draft, "bench": "mtbench first turns",
         "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "steps": 3, "topk": 1, "temperature": 0.0,
+        "texts_compared": len(prompts),  # per setting: its output vs plain decoding's, prompt by prompt (same_as_plain)
         "threads": a.threads, "settings": SETTINGS_DOC,
         "decoding": runs,
         "forward_ms_median": {"context_tokens": len(ctx) - 1, "reps": a.forward_reps, **forward_ms},
@@ -171,7 +172,7 @@ SETTINGS_DOC = {
     "probe": "row-wise attention + the Linear shapes the probe found batch-dependent, row by row (eval's CPU default)",
     "attention": "row-wise attention, all Linears batched (the previous exact path)",
     "all_linears": "row-wise attention + every Linear row by row (the probe's fallback)",
-    "model": "SDPA + batched Linears (--attention model; not exact here)",
+    "model": "SDPA + batched Linears (--attention model; exactness not promised)",
     "pad": "experiment, not in the product: row-wise attention + the probe's shapes as 4-row calls in decoding and "
            "verification alike (same_as_plain compares with plain decoding under the same padding)",
     "plain": "plain decoding",

@@ -27,8 +27,8 @@ PRESETS = {
         # conversations overfit), so: small batches (1024 tokens), as many conversations as the
         # budget holds (1,500: 23.3 min here), 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
-        # instructions (AMX/AVX512-BF16: 1.8x the tokens/s of fp32 here, same accuracy), and the eval
-        # decodes in 2 processes (1.35x).  See bench/results/demo_full.json for the measured run.
+        # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), and the eval decodes in
+        # 2 processes (bench/results/eval_workers_cpu.json).
         "samples": 1500,
         "max_length": 512,
         "ttt_steps": 3,
@@ -185,6 +185,7 @@ def _eval_workers(n: int, device: str) -> int:
 
 def _table(r: dict) -> str:
     from eaglenest.evaluate.exact import summary as verification_summary
+    from eaglenest.evaluate.run import greedy_summary
 
     d = r["demo"]
     rows = [
@@ -196,7 +197,7 @@ def _table(r: dict) -> str:
         ("acceptance length tau", f"{r.get('tau', float('nan')):.3f}"),
         ("accept per position", ", ".join(f"{a:.2f}" for a in r.get("accept_per_position", []))),
         ("speedup vs plain decoding", f"{r.get('speedup') or float('nan'):.2f}x"),
-        ("greedy output == plain greedy", str(r.get("greedy_matches_baseline"))),
+        ("greedy output == plain greedy", greedy_summary(r)),
         ("verification", verification_summary(r.get("verification"))),
         ("total time", f"{d['total_seconds'] / 60:.1f} min ({', '.join(f'{k} {v:.0f}s' for k, v in d['stage_seconds'].items())})"),
     ]

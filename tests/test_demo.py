@@ -29,6 +29,9 @@ def test_demo_quick_end_to_end(quick_demo):
     flagged = {tuple(x["shape"]) for x in v["rowwise"]["linears"]}
     assert flagged == {tuple(x["shape"]) for x in v["probe_result"]["linears"] if any(x["differing"].values())} or v["rowwise"]["all_linears"]
     assert r["greedy_matches_baseline"] is True, r.get("greedy_mismatches")
+    # the verdict covers the prompts decoded both ways (the preset's baseline_limit), and says so
+    assert r["baseline_prompts"] == r["texts_compared"] == r["demo"]["recipe"]["baseline_limit"] == 6
+    assert "6 of 6 generations compared" in (out / "report.md").read_text()
     assert "verification" in (out / "report.md").read_text() and "exact (probed)" in (out / "report.md").read_text()
     assert len(r["accept_per_position"]) == 3 and r["accept_per_position"][0] > 0
     # the draft is what both engines load

@@ -72,6 +72,7 @@ def test_eval_report_two_turns_limit(tiny_llama_dir, tiny_draft_dir, bench_file,
     assert {"platform", "cpu_count", "torch"} <= set(r["machine"])
     table = capsys.readouterr().out  # the summary table
     assert "tau" in table and "verification" in table and ("exact (probed)" in table) == v["exact"]
+    assert r["texts_compared"] == 4 and "4 of 4 generations compared" in table  # the verdict says what it covers
 
 
 def test_attention_default_is_device_aware(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
@@ -106,14 +107,16 @@ def test_eval_tree_no_baseline(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_p
     r = json.loads(out.read_text())
     assert r["n_prompts"] == 3 and r["turns"] == 1 and r["num_draft_tokens"] == 5
     assert r["baseline_tokens_per_s"] is None and r["speedup"] is None and r["greedy_matches_baseline"] is None
+    assert r["baseline_prompts"] == 0 and r["texts_compared"] == 0
 
 
 def test_eval_baseline_limit(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
     out = tmp_path / "bl.json"
     assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--baseline-limit", "1") == 0
     r = json.loads(out.read_text())
-    assert r["n_prompts"] == 3 and r["baseline_prompts"] == 1
+    assert r["n_prompts"] == 3 and r["baseline_prompts"] == 1 and r["texts_compared"] == 1  # what "== plain" covers
     assert [("baseline_wall_s" in p) for p in r["per_prompt"]] == [True, False, False]
+    assert [("matches_baseline" in p) for p in r["per_prompt"]] == [True, False, False]
     assert r["speedup"] > 0
     require_exact_on_ci_cpus(r["verification"])
     if r["verification"]["exact"]:
@@ -131,6 +134,7 @@ def test_eval_workers_decode_exactly_as_one_process(tiny_llama_dir, tiny_draft_d
     keys = ("id", "turn", "output_ids", "verify_steps", "accepted_per_position", "matches_baseline")
     assert [{k: p.get(k) for k in keys} for p in r2["per_prompt"]] == [{k: p.get(k) for k in keys} for p in r1["per_prompt"]]
     assert r2["tau"] == r1["tau"] and r2["baseline_prompts"] == 2
+    assert r1["texts_compared"] == r2["texts_compared"] == 4  # 2 prompts x 2 turns decoded both ways
     assert r2["verification"]["exact"] == r1["verification"]["exact"]  # each worker probed its own copy
     require_exact_on_ci_cpus(r2["verification"])
     if r2["verification"]["exact"]:

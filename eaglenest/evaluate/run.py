@@ -406,7 +406,9 @@ def finish_report(report: dict, records: list[dict], steps: int, mismatches: lis
     report.update(summarize(records, steps))
     report.setdefault("baseline_tokens_per_s", None)
     report.setdefault("speedup", None)
+    # what the comparison covered: prompts decoded plainly too, and generations compared token by token
     report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
+    report["texts_compared"] = sum("matches_baseline" in r for r in records)
     report["greedy_matches_baseline"] = None if mismatches is None else not mismatches
     if mismatches is not None:
         report["greedy_mismatches"] = mismatches
@@ -480,12 +482,20 @@ def evaluate(args) -> dict:
     return report
 
 
+def greedy_summary(r: dict) -> str:
+    """The greedy-equality verdict with what it covers ("yes, 20 of 80 generations compared")."""
+    match = r.get("greedy_matches_baseline")
+    if match is None:
+        return "-"
+    of = f"{r['texts_compared']} of {r['n_generations']} generations compared"
+    return f"yes, {of}" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ; {of})"
+
+
 def format_table(r: dict) -> str:
     def f(x, spec=".2f", suffix=""):
         return "-" if x is None else f"{x:{spec}}{suffix}"
 
     acc = " ".join(f(x) for x in r.get("accept_per_position") or [])
-    match = r.get("greedy_matches_baseline")
     rows = [
         ("engine / dtype / device", f"{r.get('engine')} / {r.get('dtype', '-')} / {r.get('device', '-')}"),
         ("dataset", f"{r.get('dataset')}  ({r.get('n_prompts')} prompts x {r.get('turns')} turn(s), batch {r.get('batch_size')})"),
@@ -497,7 +507,7 @@ def format_table(r: dict) -> str:
         ("spec tokens/s", f(r.get("spec_tokens_per_s"), ".1f")),
         ("baseline tokens/s", f(r.get("baseline_tokens_per_s"), ".1f")),
         ("speedup", f(r.get("speedup"), ".2f", "x")),
-        ("greedy output == baseline", "-" if match is None else ("yes" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ)")),
+        ("greedy output == baseline", greedy_summary(r)),
     ]
     if "verification" in r:  # hf engine: how verification was made exact (or not), see exact.py
         from eaglenest.evaluate.exact import summary
