@@ -148,7 +148,7 @@ def test_max_len_below_the_prepared_length_trains_on(tiny_llama_dir, tiny_store,
 def test_a_slow_rank_stops_every_rank_with_a_checkpoint_past_a_short_default_collective_timeout(tiny_llama_dir, tiny_data, tmp_path):
     """Rank 1's engine never answers for one sample of step 5; rank 0 waits for it in the step's
     verdict.  The backend's default collective timeout (2 s here, NCCL's 10 min in production) is
-    shorter than --online-timeout (4 s here, 600 s by default): before, rank 0's collective timed out
+    shorter than --online-timeout (8 s here, 600 s by default): before, rank 0's collective timed out
     and the job died; now the group's timeout comes from the run's own timeouts and both ranks stop
     together with a checkpoint at step 4 and the reason."""
     kw = dict(max_steps=8, fc_init="random", eval_fraction=0.0, batch_tokens=128, grad_accum=2)
@@ -159,12 +159,12 @@ def test_a_slow_rank_stops_every_rank_with_a_checkpoint_past_a_short_default_col
     run = tmp_path / "run"
     argv = ["train", "--online", "--data", str(tiny_data), "--engine", "hf", "--capture-dtype", "fp32", "--model", str(tiny_llama_dir),
             "--out", str(run), "--ttt-steps", "3", "--draft-vocab", "500", "--max-steps", "8", "--batch-tokens", "128",
-            "--grad-accum", "2", "--eval-fraction", "0", "--fc-init", "random", "--device", "cpu", "--online-timeout", "4"]
+            "--grad-accum", "2", "--eval-fraction", "0", "--fc-init", "random", "--device", "cpu", "--online-timeout", "8"]
     r = torchrun(argv, env={"SLOW_RANK": "1", "SLOW_SAMPLE": victim, "DEFAULT_PG_TIMEOUT_S": "2"}, script="dist_slow_rank.py")
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 4, out[-3000:]
-    assert "step 5: its micro-batches did not arrive within --online-timeout 4 s" in out, out[-3000:]  # rank 1
+    assert "step 5: its micro-batches did not arrive within --online-timeout 8 s" in out, out[-3000:]  # rank 1
     assert "another rank's micro-batches did not arrive" in out, out[-3000:]  # rank 0: the coordinated stop
     assert "--resume to continue from there" in out
 
