@@ -146,7 +146,7 @@ def _checked(raw: dict, src: StoreMeta, dst: StoreMeta, reencode: bool) -> tuple
     t = decode_sample(raw) if reencode else raw
     why = validate_sample(t, src)
     if why is None and reencode:
-        t = encode_sample(t, dst.dtype)
+        t = encode_sample(t, dst.dtype, dst.aux_layers)
         why = validate_sample(t, dst)
         why = why and f"{why} after encoding to {dst.dtype}"
     return t, why
