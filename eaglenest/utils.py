@@ -28,6 +28,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path | str) -> None:
+    """Flush a file some library wrote (e.g. safetensors' save_file) to disk before it is published."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Write via temp file + fsync + rename so a kill never leaves a half-written file."""
     path = Path(path)

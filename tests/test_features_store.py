@@ -170,7 +170,7 @@ def test_merge_stores_of_several_machines(smol_store, fp8_store, tiny_llama_dir,
     a, b = _split(smol_store, tmp_path, set(range(14)), set(range(12, 24)))  # ids 12, 13 on both
     (b / "failures.jsonl").write_text(json.dumps({"id": "lost-on-B", "reason": "http_5xx"}) + "\n")
     assert main(["features", "merge", str(a), str(b), "--out", str(tmp_path / "C")]) == 0
-    assert "2 duplicate ids kept from the first store (0 with different bytes)" in capsys.readouterr().err
+    assert "2 identical duplicates dropped" in capsys.readouterr().err
     c, src = FeatureStore(tmp_path / "C"), FeatureStore(smol_store)
     assert sorted(c.ids()) == sorted(src.ids()) and c.verify() == []
     ref = {sid: src.entries[i]["sha256"] for i, sid in enumerate(src.ids())}
@@ -244,3 +244,99 @@ def test_capture_refuses_without_room_before_loading_weights(tmp_path, smol_data
     err = _refused(["capture", "--model", str(huge), "--data", str(smol_data), "--out", str(tmp_path / "f"), "--store-dtype", "bf16"], capsys)
     assert re.search(r"not enough disk at \S+: [\d,]+ tokens in bf16 need ~[\d.]+ TiB", err), err
     assert not (tmp_path / "f").exists()
+
+
+# --- issue 22.3: data is never dropped silently --------------------------------------------------
+def _store_of(src, dst, keep, edit=None):
+    """A store at `dst` holding samples `keep` of `src` as stored (one shard each), `edit(i, raw)`
+    applied: what another machine, or an eaglenest without today's checks, could have written."""
+    from eaglenest.features.store import FeatureWriter
+
+    fs = FeatureStore(src)
+    w = FeatureWriter(dst, fs.meta)
+    for i in keep:
+        raw = fs.load_stored(i)
+        w.write_batch([(fs.entries[i]["id"], edit(i, raw) if edit else raw)], encoded=True)
+    return dst
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_merge_refuses_differing_samples_under_one_id_unless_told(smol_store, tmp_path, capsys):
+    """Ids default to `file stem:line`: two machines that prepared different slices of files with
+    the same name store different samples under one id.  Before, merge kept the first and exited 0."""
+    fs = FeatureStore(smol_store)
+    ids = fs.ids()
+    a = _store_of(smol_store, tmp_path / "A", range(14))
+    b = _store_of(smol_store, tmp_path / "B", range(12, 24), lambda i, raw: fs.load_stored(20) if i == 13 else raw)
+    ea, eb = FeatureStore(a).entries[13], FeatureStore(b).entries[1]  # ids[13] in each: different bytes
+    assert ea["id"] == eb["id"] == ids[13] and ea["sha256"] != eb["sha256"]
+    argv = ["features", "merge", str(a), str(b)]
+
+    err = _refused(argv + ["--out", str(tmp_path / "C")], capsys)
+    assert f"{a}/manifest.jsonl:14 (shard {ea['shard']})" in err and f"{b}/manifest.jsonl:2 (shard {eb['shard']})" in err, err
+    assert ids[13] in err and "--on-collision" in err
+    assert not (tmp_path / "C").exists()  # refused before anything is written
+
+    assert main(argv + ["--out", str(tmp_path / "C"), "--on-collision", "skip"]) == 0
+    out = capsys.readouterr().err
+    c = FeatureStore(tmp_path / "C")
+    assert sorted(c.ids()) == sorted(ids) and c.verify() == []
+    assert c.entries[c.ids().index(ids[13])]["sha256"] == ea["sha256"]  # the first store's
+    assert "1 identical duplicate dropped" in out and "1 differing sample under an id already kept: skipped" in out, out
+    rec = _rows(tmp_path / "C" / "merges.jsonl")[-1]
+    assert rec["identical_duplicates"] == 1 and rec["on_collision"] == "skip"
+    assert [(x["id"], x["action"]) for x in rec["collisions"]] == [(ids[13], "skipped")]
+    assert rec["collisions"][0]["kept"].startswith(f"{a}/manifest.jsonl:14") and rec["collisions"][0]["other"].startswith(f"{b}/manifest.jsonl:2")
+
+    assert main(argv + ["--out", str(tmp_path / "D"), "--on-collision", "rename"]) == 0
+    d = FeatureStore(tmp_path / "D")
+    sha = {e["id"]: e["sha256"] for e in d.entries}
+    assert len(d) == 25 and sha[ids[13]] == ea["sha256"] and sha[f"{ids[13]}~2"] == eb["sha256"] and d.verify() == []
+    rec = _rows(tmp_path / "D" / "merges.jsonl")[-1]
+    assert [(x["id"], x["action"]) for x in rec["collisions"]] == [(ids[13], f"renamed to {ids[13]}~2")]
+    # re-running the same merge resumes: nothing new, nothing renamed twice
+    assert main(argv + ["--out", str(tmp_path / "D"), "--on-collision", "rename"]) == 0
+    assert len(FeatureStore(tmp_path / "D")) == 25
+    # an output that already holds other bytes under an id is a collision too
+    err = _refused(["features", "merge", str(b), str(a), "--out", str(tmp_path / "C")], capsys)
+    assert f"{tmp_path / 'C'}/manifest.jsonl:" in err and f"{b}/manifest.jsonl:2" in err, err
+
+
+def test_convert_validates_every_sample_as_capture_does(smol_store, tmp_path, capsys):
+    """Before, convert re-encoded whatever it read: an Inf became a finite 448 * 2**119 in fp8, a
+    NaN was carried, a bf16 value beyond fp16's range became Inf.  Now each sample passes capture's
+    check (features/store.py validate_sample) before and after re-encoding; failures are counted,
+    recorded in OUT/failures.jsonl (a capture into OUT retries them) and make the exit status 1."""
+    fs = FeatureStore(smol_store)
+    ids = fs.ids()
+
+    def poison(i, raw):
+        if i in (3, 8, 10):
+            name = "aux_hidden_states" if i != 8 else "last_hidden_state"
+            x = raw[name].clone()
+            x[5, 7] = {3: float("inf"), 8: float("nan"), 10: 1e6}[i]  # 1e6: finite in bf16, beyond fp16's 65504
+            raw = {**raw, name: x}
+        return raw
+
+    src = _store_of(smol_store, tmp_path / "src", range(24), poison)
+    out = tmp_path / "fp8"
+    capsys.readouterr()
+    assert main(["features", "convert", str(src), "--store-dtype", "fp8", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    c = FeatureStore(out)
+    assert sorted(c.ids()) == sorted(set(ids) - {ids[3], ids[8]}) and c.verify() == []
+    fails = {f["id"]: f for f in _rows(out / "failures.jsonl")}
+    assert set(fails) == {ids[3], ids[8]} and {f["reason"] for f in fails.values()} == {"non_finite"}
+    assert "aux_hidden_states has NaN/Inf" in fails[ids[3]]["message"] and "last_hidden_state" in fails[ids[8]]["message"]
+    assert "2 samples failed capture's check (non_finite: 2)" in err, err
+    assert main(["features", "stats", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["failures"] == 2
+    # the encoded values are checked too: 1e6 has no fp16
+    out16 = tmp_path / "fp16"
+    assert main(["features", "convert", str(src), "--store-dtype", "fp16", "--out", str(out16)]) == 1
+    fails16 = {f["id"]: f for f in _rows(out16 / "failures.jsonl")}
+    assert set(fails16) == {ids[3], ids[8], ids[10]} and "fp16" in fails16[ids[10]]["message"]
+    assert len(FeatureStore(out16)) == 21

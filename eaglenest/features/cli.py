@@ -37,8 +37,10 @@ def register(sub) -> None:
         help="re-encode a store into another store dtype (e.g. fp8)",
         description="Write a copy of STORE in another store dtype (fp8: float8 e4m3 with a power-of-two scale per token "
         "and per layer, half the bytes of bf16; fp8-aux: only the aux states in fp8). Every source checksum is "
-        "checked on the way; the output is an ordinary store (manifest, checksums, `verify`); re-running the "
-        "same command after an interruption finishes it.",
+        "checked on the way, and every sample as capture checks it (shapes, finite values), before and after "
+        "re-encoding: one that fails is not copied, is recorded in OUT/failures.jsonl and makes the exit status 1. "
+        "The output is an ordinary store (manifest, checksums, `verify`); re-running the same command after an "
+        "interruption finishes it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_command(
@@ -46,8 +48,10 @@ def register(sub) -> None:
         "merge",
         help="merge stores captured on several machines into one",
         description="Merge stores of the same target, layer ids, convention, norm flag and store dtype (refused by "
-        "name otherwise) into one. Every source checksum is checked; a sample id held by several stores is kept "
-        "from the first (counted); failures not stored anywhere are carried over; resumable.",
+        "name otherwise) into one. Every source checksum is checked, and every sample as capture checks it; a sample "
+        "held by several stores (same id, same bytes) is kept once (counted); different samples under one id are "
+        "an error naming both (see --on-collision); OUT/merges.jsonl records each run; failures not stored anywhere "
+        "are carried over; resumable.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
@@ -100,11 +104,11 @@ def _convert(cfg, args) -> int:
     from eaglenest.features.ops import convert
 
     s = convert(cfg.store, cfg.out, cfg.store_dtype, ignore_disk=cfg.ignore_disk)
-    return 1 if s.damaged else 0
+    return 1 if s.damaged or s.failed.total else 0
 
 
 def _merge(cfg, args) -> int:
     from eaglenest.features.ops import merge
 
-    s = merge(cfg.stores, cfg.out, ignore_disk=cfg.ignore_disk)
-    return 1 if s.damaged else 0
+    s = merge(cfg.stores, cfg.out, ignore_disk=cfg.ignore_disk, on_collision=cfg.on_collision)
+    return 1 if s.damaged or s.failed.total else 0

@@ -40,4 +40,8 @@ class ConvertConfig:
 class MergeConfig:
     stores: list[str] = option(help="feature store directories (two or more)", positional=True)
     out: str = option(help=f"merged {_STORE} {_OUT}")
+    on_collision: str = option("error", "one id holding different samples in two stores (prepared ids are `file stem:line`, "
+                               "so slices of same-named files collide): error (naming both), skip (keep the first) or "
+                               "rename (keep both, the later as <id>~<store number>); identical copies are always kept once",
+                               choices=["error", "skip", "rename"])
     ignore_disk: bool = option(False, _IGNORE_DISK)

@@ -31,7 +31,8 @@ class TrainConfig:
                                       "have failed (skipped samples: RUN_DIR/failures.jsonl)")
     online_timeout: float = option(600.0, "with --online: seconds the loop waits for a step's micro-batches before it "
                                    "stops (checkpoint saved) saying the engine is not answering (with --prefetch >= 1; "
-                                   "set-up and evaluation captures are bounded by the engine's own timeouts)")
+                                   "set-up and evaluation captures are bounded by the engine's own timeouts); under "
+                                   "torchrun every rank stops together: --dist-timeout is set above it")
     ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")
@@ -47,7 +48,13 @@ class TrainConfig:
     eval_fraction: float = option(0.02, "held-out share of samples (by id hash)")
     eval_every: int = option(0, "steps between held-out evals (0: ~10 per run)")
     eval_max_batches: int = option(8, "held-out micro-batches per eval")
-    save_every: int = option(0, "checkpoint every N steps (0: only at the end)")
+    save_every: int = option(0, "checkpoint every N steps (0: by --save-every-min and at the end)")
+    save_every_min: float = option(30.0, "checkpoint at least every this many minutes of training, so a crash loses at "
+                                   "most that much (0: by --save-every and at the end only)")
+    keep_checkpoints: int = option(3, "keep the newest N checkpoints, remove older ones (0: keep all)")
+    dist_timeout: float = option(0.0, "under torchrun: seconds a rank waits in a collective before torch kills the job "
+                                 "(0: auto = --online-timeout of online runs + 30 min for rank 0's evaluation and "
+                                 "checkpoint); raise it when those take longer")
     seed: int = option(0, "seed of the initialization and of the data order")
     device: str = option("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16/AMX",
@@ -86,6 +93,12 @@ class TrainConfig:
             raise EaglenestError("--features FEAT_DIR is required (or --online --data DATA_DIR to capture while training)")
         if self.online_timeout <= 0 or (self.max_failures is not None and self.max_failures < 0):
             raise EaglenestError(f"--online-timeout must be positive and --max-failures >= 0 (got {self.online_timeout}, {self.max_failures})")
+        if self.save_every < 0 or self.save_every_min < 0 or self.keep_checkpoints < 0 or self.dist_timeout < 0:
+            raise EaglenestError(f"--save-every, --save-every-min, --keep-checkpoints and --dist-timeout must be >= 0 "
+                                 f"(got {self.save_every}, {self.save_every_min}, {self.keep_checkpoints}, {self.dist_timeout})")
+        if self.online and self.dist_timeout and self.dist_timeout <= self.online_timeout:
+            raise EaglenestError(f"--dist-timeout {self.dist_timeout:g} must exceed --online-timeout {self.online_timeout:g}: "
+                                 "a rank waits that long for a slow one before every rank stops with a checkpoint")
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
         if self.freeze_head and self.init_head != "target":

@@ -1,12 +1,28 @@
 """The process group of a `torchrun` launch, and collectives that put their tensors where the
 group's backend needs them: NCCL reduces CUDA tensors only, gloo CPU tensors (its CUDA support
-is partial), whatever device the model lives on."""
+is partial), whatever device the model lives on.
+
+The group's timeout (how long a rank waits in a collective before torch kills the job) comes
+from the run's own timeouts, not the backend's default (NCCL's is 10 minutes): a rank may wait
+for a slow one up to --online-timeout before every rank stops together, and for rank 0's
+evaluation and checkpoint, which the other ranks wait for in their next collective."""
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
+
+EVAL_AND_SAVE_S = 1800.0  # allowance for rank 0's evaluation and checkpoint (and set-up reads) while the others wait
+
+
+def collective_timeout(cfg) -> float:
+    """Seconds a rank waits in a collective: --dist-timeout, or (0, the default) --online-timeout
+    (online runs) + EVAL_AND_SAVE_S.  `cfg` is a TrainConfig."""
+    if cfg.dist_timeout:
+        return float(cfg.dist_timeout)
+    return (cfg.online_timeout if cfg.online else 0.0) + EVAL_AND_SAVE_S
 
 
 def collective_device(backend: str) -> torch.device:
@@ -18,9 +34,10 @@ def collective_device(backend: str) -> torch.device:
 
 class Distributed:
     """rank / world size from the torchrun environment (WORLD_SIZE > 1 starts the group: NCCL when
-    the run uses CUDA, gloo otherwise; a group the caller already started is used as it is)."""
+    the run uses CUDA, gloo otherwise, with a collective timeout of `timeout_s` seconds; a group the
+    caller already started is used as it is)."""
 
-    def __init__(self, device: str = "auto"):
+    def __init__(self, device: str = "auto", timeout_s: float = EVAL_AND_SAVE_S):
         import torch.distributed as dist
 
         self.owns = False
@@ -28,7 +45,7 @@ class Distributed:
             on_cuda = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda:")
             if on_cuda:  # before the group: NCCL binds each rank to its current device
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if on_cuda else "gloo")
+            dist.init_process_group("nccl" if on_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
             self.owns = True
         self.dist = dist if dist.is_available() and dist.is_initialized() else None
         self.rank = self.dist.get_rank() if self.dist else 0

@@ -12,6 +12,7 @@ starting at its rank); the loss normalizers are summed over ranks by the trainer
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from concurrent.futures import Future
@@ -138,7 +139,10 @@ class Prefetcher:
                 if s not in self.pending:
                     self.pending[s] = self.pool.submit(self.source.load, s)
             fut = self.pending[step]
-        out = fut.result(timeout)  # TimeoutError leaves the step pending (a retry would wait on the same read)
+        try:
+            out = fut.result(timeout)
+        except concurrent.futures.TimeoutError:  # not the built-in TimeoutError before Python 3.11: callers catch that one
+            raise TimeoutError(f"step {step} not loaded within {timeout} s") from None  # the step stays pending: a retry waits on the same read
         with self.lock:
             self.pending.pop(step, None)
         return out

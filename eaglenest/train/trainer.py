@@ -30,10 +30,10 @@ from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
 from eaglenest.draft.model import DraftConfig
 from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
 from eaglenest.features import FeatureStore
-from eaglenest.train.checkpoint import Checkpointer, check_resume
+from eaglenest.train.checkpoint import Checkpointer, SavePolicy, check_resume
 from eaglenest.train.config import RESUME_FIXED, TrainConfig
 from eaglenest.train.data import Batch, Schedule, split
-from eaglenest.train.distributed import Distributed
+from eaglenest.train.distributed import Distributed, collective_timeout
 from eaglenest.train.loader import Prefetcher, StepData, StoreSource
 from eaglenest.train.online import (
     FailureLog,
@@ -66,6 +66,13 @@ TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stay
 ARGMAX_CACHE_TOKENS = 1 << 28  # 1 GiB of int32: beyond that, later epochs recompute the target's argmax
 
 
+def has_loss_positions(b: Batch) -> bool:
+    """Whether a micro-batch has a position whose loss counts (the TTT loss of step 0 predicts
+    x_{t+2}: ttt.py).  Without one the loss has no graph; --max-len below the prepared length or
+    `prepare --loss-on last` on a long conversation can leave a micro-batch so."""
+    return bool(denominators(b.loss_mask, 1)[0] > 0)
+
+
 def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
     """Autograd-saved bytes of `tokens` tokens over `ttt` steps WITHOUT recompute, bf16 autocast:
     ~47 H + 8 I bytes per token per step (measured with `bench/train_step.py --saved-bytes`;
@@ -80,13 +87,16 @@ class Trainer:
         flags in `engine_args` (an argparse namespace; None: the engine's defaults) and close it."""
         cfg.validate()
         self.cfg = cfg
-        self.dist = Distributed(cfg.device)
+        self.dist = Distributed(cfg.device, collective_timeout(cfg))
         self.rank, self.world = self.dist.rank, self.dist.world
         self.out = Path(cfg.out)
         self.device = self._device()
         self.autocast = self.device.startswith("cuda") if cfg.dtype == "auto" else cfg.dtype == "bf16"
         self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"
-        self.ckpt = Checkpointer(self.out, self.rank)
+        self.ckpt = Checkpointer(self.out, self.rank, keep=cfg.keep_checkpoints)
+        self.saved_step = None  # the step of the checkpoint this process last wrote or loaded
+        self.saves = SavePolicy(cfg.save_every, cfg.save_every_min)
+        self.step_empty, self._warned_empty = 0, False  # micro-batches without a loss position: this step's (all ranks)
         self.engine, self._own_engine = engine, False
         self.failures = None  # online: RUN_DIR/failures.jsonl
         try:
@@ -186,7 +196,7 @@ class Trainer:
         self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
 
         if resuming:
-            self.step = self.ckpt.load(self.model, self.opt, self.sched)
+            self.step = self.saved_step = self.ckpt.load(self.model, self.opt, self.sched)
         elif self.rank == 0:
             from safetensors.torch import save_file
 
@@ -279,7 +289,14 @@ class Trainer:
         return float(c[t2d].sum() / c.sum())
 
     def save(self) -> Path | None:
-        return self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
+        """Rank 0 checkpoints the current step (None on the other ranks); a step already saved
+        (a stop right after a periodic save or a resume) is not written again."""
+        if self.saved_step == self.step:
+            return self.ckpt.latest() if self.rank == 0 else None
+        d = self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
+        self.saved_step = self.step
+        self.saves.reset()
+        return d
 
     # --- one micro-batch -------------------------------------------------------------------
     def _forward(self, b: Batch, key: tuple, denom: torch.Tensor):
@@ -353,7 +370,8 @@ class Trainer:
             log.start(self.step)
         bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step") if self.rank == 0 else None
         t_start, tok_seen = time.time(), 0
-        last_eval, stop = None, None
+        last_eval, stop, crash = None, None, None
+        self.saves.reset()  # --save-every-min counts training time, from here
         try:
             with Prefetcher(self.source, cfg.prefetch, cfg.loader_threads, end=self.total_steps) as loader:
                 while self.step < self.total_steps:
@@ -365,7 +383,8 @@ class Trainer:
                     tok_seen += n_tok
                     if log:
                         rec = {"step": self.step, "epoch": data.epoch, "lr": self.sched.get_last_lr()[0], "loss": loss_val,
-                               "grad_norm": gnorm, "tokens": n_tok, "data_wait_s": round(t_wait, 4)}
+                               "grad_norm": gnorm, "tokens": n_tok, "data_wait_s": round(t_wait, 4),
+                               "empty_micro_batches": self.step_empty}
                         if n_tok == 0:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
                         rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
@@ -379,15 +398,19 @@ class Trainer:
                         bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                     if self.device_type == "cpu" and self.step % TRIM_EVERY == 0:
                         release_free_heap()
-                    if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                    if self.step < self.total_steps and self.saves.due(self.step):
                         self.save()
         except OnlineStop as e:
             stop = e
+        except (Exception, KeyboardInterrupt) as e:  # any error that ends the run: checkpoint the steps done first
+            crash = e
         finally:
             if log:
                 log.close()
             if bar:
                 bar.close()
+        if crash is not None:
+            self._stop_on_error(crash)
         final = self.save()
         if stop is not None:  # every rank gets here at the same step (_online_check)
             self.dist.barrier()
@@ -400,10 +423,43 @@ class Trainer:
 
             plot_run(self.out)
             atomic_write_json(self.out / "final.json", {"step": self.step, "checkpoint": str(final), "eval": last_eval,
+                                                        "empty_micro_batches": self._empty_summary(),
                                                         **({"online": online} if online else {})})
         self.dist.barrier()  # every rank returns once rank 0's final checkpoint is complete
         self.dist.close()
         return {"step": self.step, "eval": last_eval, "checkpoint": final}
+
+    def _stop_on_error(self, e: BaseException) -> None:
+        """An error ended the loop after step `self.step`: rank 0 checkpoints that step, every rank
+        says where it is and how to continue, and the error goes on (its traceback intact)."""
+        try:
+            final = self.save()
+        except Exception as save_error:
+            raise save_error from e
+        where = final or f"{self.ckpt.dir / 'latest.json'} (rank 0 writes checkpoints)"
+        print(f"training stopped at step {self.step} by {type(e).__name__}: {e}. Checkpoint {where} holds the steps done: "
+              "once the cause is fixed, re-run the same command with --resume to continue from there", file=sys.stderr)
+        raise e
+
+    def _note_empty(self, n_empty: int) -> None:
+        """Micro-batches without a loss position (no assistant token left within --max-len): trained
+        on without them, counted per step (metrics.jsonl) and in all (final.json); warned once."""
+        self.step_empty = n_empty
+        if n_empty and self.rank == 0 and not self._warned_empty:
+            self._warned_empty = True
+            print(f"warning: step {self.step + 1}: {n_empty} of its micro-batches have no loss position (no assistant token "
+                  f"within --max-len {self.cfg.max_len}): they add nothing to the update; counted as empty_micro_batches "
+                  "in metrics.jsonl and final.json", file=sys.stderr)
+
+    def _empty_summary(self) -> int:
+        """Rank 0: the run's empty micro-batches (its resumed parts too: metrics.jsonl), printed when any."""
+        from eaglenest.utils import read_jsonl_tolerant
+
+        n = sum(r.get("empty_micro_batches", 0) for r in read_jsonl_tolerant(self.out / "metrics.jsonl"))
+        if n:
+            print(f"train: {n} micro-batches had no loss position (no assistant token within --max-len {self.cfg.max_len}) "
+                  "and added nothing to their steps (per step: metrics.jsonl empty_micro_batches)", file=sys.stderr)
+        return n
 
     def _next(self, loader) -> StepData:
         """The step's data; online, after the ranks' verdict on it."""
@@ -466,17 +522,23 @@ class Trainer:
         denom = self.dist.sum(data.denom) if self.world > 1 else data.denom  # every rank's tokens count
         self.opt.zero_grad(set_to_none=True)
         agg = {k: [0.0] * cfg.ttt_steps for k in ("loss_sum", "correct", "count", "loss_count")}
-        n_tok, loss_val = 0, 0.0
+        n_tok, loss_val, n_empty = 0, 0.0, 0
         for b, key in zip(data.batches, data.keys):
-            loss, stats, nt = self._forward(b, key, denom)
+            n_tok += b.n_tokens
+            if not has_loss_positions(b):  # no graph to backward: this rank still joins the step's collectives
+                n_empty += 1
+                continue
+            loss, stats, _ = self._forward(b, key, denom)
             loss.backward()
             loss_val += float(loss.detach())
-            n_tok += nt
             for k in agg:
                 agg[k] = [a + s for a, s in zip(agg[k], stats[k])]
         if self.world > 1:
-            loss_val, n_tok, agg = self._allreduce(params, loss_val, n_tok, agg)
-        if n_tok == 0:  # online: none of the step's samples arrived on any rank: no update (AdamW's moments untouched)
+            loss_val, n_tok, agg, n_empty = self._allreduce(params, loss_val, n_tok, agg, n_empty)
+        self._note_empty(n_empty)
+        if n_tok == 0 or not float(denom.sum()):
+            # online: none of the step's samples arrived; or no loss position in any of them: no update on any rank
+            # (AdamW's moments untouched, as one process whose gradients are all None)
             self.sched.step()
             return loss_val, n_tok, agg, 0.0
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -484,15 +546,16 @@ class Trainer:
         self.sched.step()
         return loss_val, n_tok, agg, gnorm
 
-    def _allreduce(self, params, loss_val, n_tok, agg):
+    def _allreduce(self, params, loss_val, n_tok, agg, n_empty=0):
         # losses are globally normalized: the SUM of the ranks' gradients is the full-batch gradient
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.dist.all_reduce_sum_([p.grad for p in params])
         keys = list(agg)
-        stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64, device=self.dist.device)
+        stats = torch.tensor([loss_val, float(n_tok), float(n_empty)] + [x for k in keys for x in agg[k]], dtype=torch.float64,
+                             device=self.dist.device)
         self.dist.all_reduce_sum_([stats])
         s = stats.tolist()
         T = self.cfg.ttt_steps
-        return s[0], int(s[1]), {k: s[2 + i * T : 2 + (i + 1) * T] for i, k in enumerate(keys)}
+        return s[0], int(s[1]), {k: s[3 + i * T : 3 + (i + 1) * T] for i, k in enumerate(keys)}, int(s[2])
