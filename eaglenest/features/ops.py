@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eaglenest import EaglenestError
 from eaglenest.features.store import (
+    FP8_BLOCK,
     IDENTITY_KEYS,
     STORE_DTYPES,
     FeatureStore,
@@ -45,6 +46,8 @@ def stats(path: Path | str) -> dict:
         "bytes": n_bytes,
         "bytes_per_token": round(n_bytes / fs.n_tokens, 1) if fs.n_tokens else None,
         "dtype": m.dtype,
+        "fp8_block": m.fp8_block,
+        "scheme": m.scheme,
         "hidden_size": m.hidden_size,
         "num_layers": m.num_layers,
         "layer_ids": m.layer_ids,
@@ -79,7 +82,7 @@ def _shard_groups(fs: FeatureStore) -> list[list[int]]:
 
 
 def _check_room(dst: Path, n_tokens: int, meta: StoreMeta, ignore_disk: bool) -> None:
-    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype), free_bytes(dst)
+    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype, meta.fp8_block), free_bytes(dst)
     if need > free and not ignore_disk:
         raise EaglenestError(f"not enough disk at {dst}: need ~{human_bytes(need)}, {human_bytes(free)} free (override: --ignore-disk)")
 
@@ -138,19 +141,20 @@ def _carry_failures(sources: list[FeatureStore], writer: FeatureWriter) -> int:
     return len(rows)
 
 
-def convert(src: Path | str, dst: Path | str, dtype: str, ignore_disk: bool = False) -> CopySummary:
-    """SRC re-encoded into a new store of `dtype` at DST (resumable: re-run to finish)."""
+def convert(src: Path | str, dst: Path | str, dtype: str, ignore_disk: bool = False, fp8_block: int = FP8_BLOCK) -> CopySummary:
+    """SRC re-encoded into a new store of `dtype` at DST (resumable: re-run to finish); fp8 stores
+    with one scale per `fp8_block` values (as `--fp8-block`: also between fp8 schemes)."""
     if dtype not in STORE_DTYPES:
         raise EaglenestError(f"unknown store dtype {dtype!r} (one of: {', '.join(STORE_DTYPES)})")
     fs = FeatureStore(src)
     if Path(dst).resolve() == fs.root.resolve():
         raise EaglenestError("--out must be a new directory, not the source store")
-    if fs.meta.dtype == dtype:
-        raise EaglenestError(f"{src} already holds dtype {dtype}")
-    meta = StoreMeta.from_dict({**fs.meta.to_dict(), "dtype": dtype})
+    meta = fs.meta.with_scheme(dtype, fp8_block)
+    if (meta.dtype, meta.fp8_block) == (fs.meta.dtype, fs.meta.fp8_block):
+        raise EaglenestError(f"{src} already holds {fs.meta.scheme}")
     _check_room(Path(dst), sum(fs.lengths()), meta, ignore_disk)
     writer = FeatureWriter(dst, meta)
-    s = _copy_samples([fs], writer, reencode=True, desc=f"convert -> {dtype}")
+    s = _copy_samples([fs], writer, reencode=True, desc=f"convert -> {meta.scheme}")
     _carry_failures([fs], writer)
     _report("convert", s, writer)
     return s

@@ -8,8 +8,8 @@ Layout of FEAT_DIR:
                       `k.input_ids` (int32 [T]), `k.loss_mask` (uint8 [T]),
                       `k.aux_hidden_states` ([T, 3H]), `k.last_hidden_state` ([T, H]);
                       in an fp8 store a state is float8 e4m3 codes plus `<name>_exp` (int8
-                      [T, layers]): value = code * 2**exp, one power-of-two scale per token and
-                      per layer (see "Store dtypes" below)
+                      [T, values / block]): value = code * 2**exp, one power-of-two scale per
+                      `fp8_block` consecutive values of a row (see "Store dtypes" below)
     manifest.jsonl    one line per stored sample: {id, shard, key, n_tokens, sha256};
                       appended (and fsynced) only after its shard is durable on disk
     failures.jsonl    samples that failed capture, with reasons (retried on the next run)
@@ -24,6 +24,14 @@ teacher's logits, stays bf16).  Scales are powers of two: they only move e4m3's 
 (its relative precision is the same at any scale), and decoding is then exact in bf16 and a few
 integer operations (fast on a CPU: see fp8_decode).  Readers always get the decoded
 bf16 tensors; verify/convert/merge work on the stored ones.
+
+The fp8 scheme (`store.json: fp8_block`) is how many consecutive values of a layer share one scale:
+by default the largest divisor of the hidden size <= 128 (FP8_BLOCK; a block never straddles two
+layers), 1 int8 exponent per 128 codes = 0.8 % more bytes.  One scale per (token, layer) -- block =
+hidden size, what fp8 stores held before this field existed (they have no `fp8_block`, and read as
+that) -- flushes every value below ~absmax * 2**-14 to zero, and targets with massive activations
+(a few channels 10^3-10^4 times the rest) lose most of a layer's channels on the tokens that carry
+them: measured in bench/results/store_outliers.json.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ FORMAT_VERSION = 1
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
 STATES = {"aux_hidden_states": 3, "last_hidden_state": 1}  # state -> layers it concatenates
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + per-token, per-layer exponents
+# store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + one int8 exponent per fp8_block values
 STORE_DTYPES = {
     "bf16": ("bf16", "bf16"),
     "fp16": ("fp16", "fp16"),
@@ -63,8 +71,32 @@ STORE_DTYPES = {
     "fp8-aux": ("fp8", "bf16"),
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # default: at most this many values share one scale (DeepSeek-V3's fp8 activation tiles are 1 x 128)
 # metadata fields that must agree between a store and the run that appends to it
-IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype")
+IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype", "fp8_block")
+
+
+def is_fp8(dtype: str) -> bool:
+    return "fp8" in STORE_DTYPES[dtype]
+
+
+def fp8_block_for(hidden_size: int, block: int = FP8_BLOCK) -> int:
+    """Values per scale for `--fp8-block block`: the largest divisor of the hidden size <= block, so
+    that blocks tile every layer (and a decoder needs only the shapes); 0 = the whole layer, one
+    scale per (token, layer) (the scheme of fp8 stores written before `fp8_block` existed)."""
+    if block < 0:
+        raise EaglenestError(f"--fp8-block must be >= 0 (got {block})")
+    if block == 0 or block >= hidden_size:
+        return hidden_size
+    return max(d for d in range(1, block + 1) if hidden_size % d == 0)
+
+
+def describe_scheme(dtype: str, fp8_block: int | None, hidden_size: int) -> str:
+    """How a store keeps its states, in words (plans, stats, errors)."""
+    if not is_fp8(dtype):
+        return dtype
+    scale = "one scale per token and layer" if fp8_block in (None, hidden_size) else f"one scale per {fp8_block} values"
+    return f"{dtype} (e4m3, {scale})"
 
 
 @dataclass
@@ -80,13 +112,37 @@ class StoreMeta:
     convention: str = "capture-before"
     vocab_size: int | None = None
     format_version: int = FORMAT_VERSION
+    fp8_block: int | None = None  # fp8 stores: values per scale (None: fp8_block_for's default); None for the others
+
+    def __post_init__(self):
+        if self.dtype in STORE_DTYPES and is_fp8(self.dtype):
+            if self.fp8_block is None:
+                self.fp8_block = fp8_block_for(self.hidden_size)
+            elif self.fp8_block <= 0 or self.hidden_size % self.fp8_block:
+                raise EaglenestError(f"fp8_block {self.fp8_block} does not divide the hidden size {self.hidden_size}")
+        else:
+            self.fp8_block = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StoreMeta":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        """A store.json (or a copy of to_dict with fields changed) -> StoreMeta.  An fp8 store.json
+        without `fp8_block` was written before the field existed: one scale per (token, layer)."""
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "fp8_block" not in d and "hidden_size" in d:
+            kw["fp8_block"] = d["hidden_size"]  # ignored (None) unless the dtype is fp8
+        return cls(**kw)
+
+    def with_scheme(self, dtype: str, fp8_block: int = FP8_BLOCK) -> "StoreMeta":
+        """This store's metadata for another store dtype (convert); fp8_block as `--fp8-block`."""
+        return StoreMeta.from_dict({**self.to_dict(), "dtype": dtype,
+                                    "fp8_block": fp8_block_for(self.hidden_size, fp8_block) if is_fp8(dtype) else None})
+
+    @property
+    def scheme(self) -> str:
+        return describe_scheme(self.dtype, self.fp8_block, self.hidden_size)
 
 
 def stored_names(dtype: str) -> tuple[str, ...]:
@@ -100,12 +156,15 @@ def sample_checksum(tensors: dict[str, torch.Tensor], dtype: str = "bf16") -> st
     return sha256_bytes(*(tensors[n].contiguous().view(torch.uint8).numpy().tobytes() for n in stored_names(dtype)))
 
 
-def fp8_encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, L*H] -> (e4m3 codes [T, L*H], int8 exponents [T, L]) with x ~= code * 2**exp.
-    The exponent puts each token's and layer's absmax in (224, 448]; codes that would be e4m3
-    subnormals (below ~absmax / 2**14) are written as zero, so the decoder needs no special case."""
-    T = x.shape[0]
-    v = x.float().view(T, layers, x.shape[1] // layers)
+def fp8_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, W] -> (e4m3 codes [T, W], int8 exponents [T, W / block]) with x ~= code * 2**exp, one
+    exponent per `block` consecutive values of a row (block divides W).  The exponent puts each
+    block's absmax in (224, 448]; codes that would be e4m3 subnormals (below ~absmax / 2**14) are
+    written as zero, so the decoder needs no special case."""
+    T, W = x.shape
+    if W % block:
+        raise EaglenestError(f"fp8 block {block} does not divide the row width {W}")
+    v = x.float().view(T, W // block, block)
     amax = v.abs().amax(-1)
     exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_(-119, 119).nan_to_num_(0.0)  # log2(0) = -inf -> -119
     y = (v * torch.exp2(-exp)[:, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # exact: a power of two
@@ -115,11 +174,11 @@ def fp8_encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
-    """(e4m3 codes [T, L*H], int8 exponents [T, L]) -> bf16 [T, L*H], exactly code * 2**exp.
-    Bit arithmetic on int16: bf16 = sign | (e4m3 exponent+mantissa << 4) + (120 + exp) << 7, with
-    +-0 kept zero; a few rows at a time so the temporaries stay in cache.  Several times faster on
+    """(e4m3 codes [T, W], int8 exponents [T, W / block]) -> bf16 [T, W], exactly code * 2**exp; the
+    block is read off the shapes (any scheme: one block per layer or finer ones).  Bit arithmetic on
+    int16: bf16 = sign | (e4m3 exponent+mantissa << 4) + (120 + exp) << 7, with +-0 kept zero; a few rows at a time so the temporaries stay in cache.  Several times faster on
     a CPU core than torch's own fp8 -> bf16 cast, which would be a loader worker's whole budget."""
-    T, L = exp.shape
+    T, L = exp.shape  # L: blocks per row
     c = codes.contiguous().view(torch.int8).numpy().reshape(T, L, codes.shape[1] // L)  # int8: the sign bit sign-extends
     off = ((120 + exp.numpy().astype(np.int16)) << 7)[:, :, None]
     out = np.empty(c.shape, dtype=np.int16)
@@ -140,13 +199,16 @@ def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.reshape(codes.shape)).view(torch.bfloat16)
 
 
-def encode_sample(t: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
-    """A captured sample's tensors -> what the store keeps (stored_names(dtype))."""
+def encode_sample(t: dict[str, torch.Tensor], dtype: str, fp8_block: int | None = None) -> dict[str, torch.Tensor]:
+    """A captured sample's tensors -> what the store keeps (stored_names(dtype)); fp8 states with
+    one scale per `fp8_block` values (the store's StoreMeta.fp8_block)."""
     out = {"input_ids": t["input_ids"].to(torch.int32).cpu().contiguous(), "loss_mask": t["loss_mask"].to(torch.uint8).cpu().contiguous()}
-    for (name, layers), enc in zip(STATES.items(), STORE_DTYPES[dtype]):
+    for name, enc in zip(STATES, STORE_DTYPES[dtype]):
         x = t[name].cpu()
         if enc == "fp8":
-            out[name], out[f"{name}_exp"] = fp8_encode(x, layers)
+            if fp8_block is None:
+                raise EaglenestError("an fp8 store needs its fp8_block (StoreMeta.fp8_block)")
+            out[name], out[f"{name}_exp"] = fp8_encode(x, fp8_block)
         else:
             out[name] = x.to(DTYPES[enc]).contiguous()
     return out
@@ -162,7 +224,7 @@ def validate_sample(t: dict[str, torch.Tensor], meta: StoreMeta) -> str | None:
     T = t["input_ids"].shape[0]
     H = meta.hidden_size
     expect = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "last_hidden_state": (T, H)}
-    expect.update({f"{n}_exp": (T, layers) for n, layers in STATES.items() if f"{n}_exp" in t})
+    expect.update({f"{n}_exp": (T, expect[n][1] // (meta.fp8_block or H)) for n in STATES if f"{n}_exp" in t})
     for name, shape in expect.items():
         if tuple(t[name].shape) != shape:
             return f"bad_shape: {name} {tuple(t[name].shape)} != {shape}"
@@ -188,7 +250,7 @@ class FeatureWriter:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         existing = self.root / "store.json"
         if existing.exists():
-            old = read_json(existing, "store metadata")
+            old = StoreMeta.from_dict(read_json(existing, "store metadata")).to_dict()  # an old fp8 store: its scheme named
             diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.to_dict().get(k)]
             if diff:
                 details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {meta.to_dict().get(k)!r}" for k in diff)
@@ -226,7 +288,7 @@ class FeatureWriter:
         tensors, rows = {}, []
         name = f"{len(self.entries):09d}-{secrets.token_hex(4)}.safetensors"
         for k, (sid, t) in enumerate(samples):
-            t = t if encoded else encode_sample(t, self.meta.dtype)
+            t = t if encoded else encode_sample(t, self.meta.dtype, self.meta.fp8_block)
             for n in stored_names(self.meta.dtype):
                 tensors[f"{k}.{n}"] = t[n]
             rows.append({"id": sid, "shard": name, "key": str(k), "n_tokens": int(t["input_ids"].shape[0]),
@@ -371,17 +433,19 @@ class FeatureStore:
         return sum(f.stat().st_size for f in (self.root / "shards").glob("*.safetensors"))
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token: 3H aux + H final (+ one int8 exponent per layer in fp8), ids (int32), mask (uint8)."""
+def bytes_per_token(hidden_size: int, dtype: str, fp8_block: int | None = None) -> int:
+    """Stored bytes per token: 3H aux + H final (+ one int8 exponent per fp8_block values in fp8;
+    None = the default block, fp8_block_for(hidden_size)), ids (int32), mask (uint8)."""
+    block = fp8_block or fp8_block_for(hidden_size)
     n = 4 + 1
     for layers, enc in zip(STATES.values(), STORE_DTYPES[dtype]):
-        n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers if enc == "fp8" else 0)
+        n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers * hidden_size // block if enc == "fp8" else 0)
     return n
 
 
-def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str) -> int:
+def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, fp8_block: int | None = None) -> int:
     """Disk needed for n_tokens (1 % for safetensors headers and the manifest)."""
-    return int(n_tokens * bytes_per_token(hidden_size, dtype) * 1.01) + 4096
+    return int(n_tokens * bytes_per_token(hidden_size, dtype, fp8_block) * 1.01) + 4096
 
 
 def free_bytes(path: Path) -> int:
