@@ -251,16 +251,14 @@ def train(args) -> None:
     if _done(run / "final.json", f"train {args.variant}"):
         return
     R = RECIPE
-    argv = ["train", "--model", _model("qwen25-coder"), "--features", str(root / args.variant), "--out", str(run),
-            "--ttt-steps", str(R["ttt_steps"]), "--draft-vocab", str(R["draft_vocab"]), "--lr", str(R["lr"]), "--epochs", str(R["epochs"]),
-            "--batch-tokens", str(R["batch_tokens"]), "--eval-fraction", str(R["eval_fraction"]), "--seed", str(R["seed"]),
-            "--device", "cpu", "--dtype", _train_dtype()]
-    if args.max_steps:  # a smoke run of this script, not the measurement
-        argv += ["--max-steps", str(args.max_steps)]
-    if (run / "checkpoints" / "latest.json").exists():
-        argv.append("--resume")
+    flags = {"model": _model("qwen25-coder"), "features": root / args.variant, "out": run, "ttt-steps": R["ttt_steps"],
+             "draft-vocab": R["draft_vocab"], "lr": R["lr"], "epochs": R["epochs"], "batch-tokens": R["batch_tokens"],
+             "eval-fraction": R["eval_fraction"], "seed": R["seed"], "device": "cpu", "dtype": _train_dtype(),
+             "save-every": 100,  # a piece stopped at its time limit resumes from the last 100 steps
+             "max-steps": args.max_steps}  # max-steps: smoke runs of this script only, not the measurement
+    argv = ["train"] + [x for k, v in flags.items() if v is not None for x in (f"--{k}", str(v))]
     t = time.time()
-    _cli(argv)
+    _cli(argv + ["--resume" if (run / "checkpoints" / "latest.json").exists() else "--overwrite"])
     _log(root, f"train {args.variant}", time.time() - t, threads=args.threads)
 
 
