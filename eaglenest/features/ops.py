@@ -168,9 +168,9 @@ def merge(srcs: list[Path | str], dst: Path | str, ignore_disk: bool = False) ->
     stores = [FeatureStore(p) for p in srcs]
     if any(fs.root.resolve() == Path(dst).resolve() for fs in stores):
         raise EaglenestError("--out must be a new directory (or an earlier merge's output), not one of the inputs")
-    ref = stores[0].meta.to_dict()
+    ref = stores[0].meta.identity()
     for fs in stores[1:]:
-        d = fs.meta.to_dict()
+        d = fs.meta.identity()
         diff = [k for k in IDENTITY_KEYS if d.get(k) != ref.get(k)]
         if diff:
             details = ", ".join(f"{k}: {stores[0].root} has {ref.get(k)!r}, {fs.root} has {d.get(k)!r}" for k in diff)

@@ -112,7 +112,10 @@ class StoreMeta:
     convention: str = "capture-before"
     vocab_size: int | None = None
     format_version: int = FORMAT_VERSION
-    fp8_block: int | None = None  # fp8 stores: values per scale (None: fp8_block_for's default); None for the others
+    # fp8 stores: values per scale (fp8_block_for; None: its default); None for the others.  In
+    # store.json only when finer than a layer: a store without it has one scale per (token, layer),
+    # as every fp8 store had before the field existed (so their store.json and fingerprints stay)
+    fp8_block: int | None = None
 
     def __post_init__(self):
         if self.dtype in STORE_DTYPES and is_fp8(self.dtype):
@@ -124,16 +127,23 @@ class StoreMeta:
             self.fp8_block = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if d["fp8_block"] in (None, self.hidden_size):
+            del d["fp8_block"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "StoreMeta":
-        """A store.json (or a copy of to_dict with fields changed) -> StoreMeta.  An fp8 store.json
-        without `fp8_block` was written before the field existed: one scale per (token, layer)."""
+        """A store.json (or to_dict's output) -> StoreMeta; an fp8 store without `fp8_block` has one
+        scale per (token, layer).  For another dtype or scheme of a store use `with_scheme`."""
         kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        if "fp8_block" not in d and "hidden_size" in d:
-            kw["fp8_block"] = d["hidden_size"]  # ignored (None) unless the dtype is fp8
+        if kw.get("fp8_block") is None and "hidden_size" in d:
+            kw["fp8_block"] = d["hidden_size"]  # dropped again (None) unless the dtype is fp8
         return cls(**kw)
+
+    def identity(self) -> dict:
+        """The IDENTITY_KEYS fields (fp8_block named even where store.json omits it)."""
+        return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
     def with_scheme(self, dtype: str, fp8_block: int = FP8_BLOCK) -> "StoreMeta":
         """This store's metadata for another store dtype (convert); fp8_block as `--fp8-block`."""
@@ -250,10 +260,12 @@ class FeatureWriter:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         existing = self.root / "store.json"
         if existing.exists():
-            old = StoreMeta.from_dict(read_json(existing, "store metadata")).to_dict()  # an old fp8 store: its scheme named
-            diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.to_dict().get(k)]
+            old, new = read_json(existing, "store metadata"), meta.identity()
+            if old.get("dtype") in STORE_DTYPES and is_fp8(old["dtype"]):
+                old.setdefault("fp8_block", old.get("hidden_size"))  # as from_dict reads it
+            diff = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
             if diff:
-                details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {meta.to_dict().get(k)!r}" for k in diff)
+                details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {new.get(k)!r}" for k in diff)
                 raise EaglenestError(f"{self.root} holds features from a different setup ({details}); use another --out")
         else:
             atomic_write_json(existing, meta.to_dict())
