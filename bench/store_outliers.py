@@ -7,7 +7,7 @@ default was first measured on, bench/results/store_dtype.json).
     python bench/store_outliers.py measure TARGET --root ROOT       # outlier ratios, error, flushed share per scheme
     python bench/store_outliers.py variants --root ROOT             # the Qwen bf16 store -> one fp8 store per scheme
     python bench/store_outliers.py train VARIANT --root ROOT        # the recipe on ROOT/qwen25-coder/VARIANT (resumable)
-    python bench/store_outliers.py eval VARIANT --root ROOT         # export + decode all 80 MT-bench first turns
+    python bench/store_outliers.py eval VARIANT PART --root ROOT    # export + decode MT-bench first turns, part 0-3 (20 each)
     python bench/store_outliers.py report --root ROOT               # -> bench/results/store_outliers.json
 
 measure: per aux layer and the final state, over the tokens of MEASURE_SAMPLES stored conversations,
@@ -55,8 +55,9 @@ VARIANTS = {"bf16": None, "fp8-token-layer": ["--store-dtype", "fp8", "--fp8-blo
 RECIPE = {  # the demo's full preset (eaglenest/demo.py), shortened to fit Qwen on 2 shared cores
     "samples": 400, "max_length": 512, "ttt_steps": 3, "draft_vocab": 8192, "lr": 1e-3, "epochs": 2,
     "batch_tokens": 1024, "eval_fraction": 0.05, "seed": 0,
-    "eval_limit": 80, "eval_max_new_tokens": 96, "eval_steps": 3, "eval_topk": 1,
+    "eval_prompts": 80, "eval_max_new_tokens": 64, "eval_steps": 3, "eval_topk": 1, "eval_attention": "auto (rowwise on a CPU)",
 }
+EVAL_PARTS = 4  # MT-bench decoded in 4 pieces of 20 questions (one heavy-lock turn each)
 
 
 def _model(target: str) -> str:
@@ -262,23 +263,43 @@ def train(args) -> None:
     _log(root, f"train {args.variant}", time.time() - t, threads=args.threads)
 
 
+def _bench_part(root: Path, part: int) -> Path:
+    """MT-bench's questions part `part` of EVAL_PARTS (the same rows `--bench mtbench` reads), so
+    that each decode piece fits one turn of the heavy lock and a stopped one resumes by part."""
+    from eaglenest.evaluate.mtbench import load_mtbench, mtbench_path
+
+    load_mtbench()  # checks the 80 rows
+    rows = mtbench_path().read_text().splitlines()
+    n = -(-len(rows) // EVAL_PARTS)
+    f = root / "bench" / f"mtbench-part{part}.jsonl"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text("\n".join(rows[part * n : (part + 1) * n]) + "\n")
+    return f
+
+
 def evaluate(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
     root = Path(args.root) / "qwen25-coder"
     run = root / "runs" / args.variant
-    draft, report = run / "draft", run / "mtbench.json"
-    if _done(report, f"eval {args.variant}"):
+    draft, report = run / "draft", run / f"mtbench-part{args.part}.json"
+    if _done(report, f"eval {args.variant} part {args.part}"):
         return
     model, R = _model("qwen25-coder"), RECIPE
     if not (draft / "config.json").exists():
         _cli(["export", "--run", str(run), "--out", str(draft), "--model", model])
     t = time.time()
-    _cli(["eval", "--model", model, "--draft", str(draft), "--out", str(report), "--bench", "mtbench", "--limit", str(R["eval_limit"]),
+    _cli(["eval", "--model", model, "--draft", str(draft), "--out", str(report), "--bench", str(_bench_part(root, args.part)),
           "--steps", str(R["eval_steps"]), "--topk", str(R["eval_topk"]), "--temperature", "0",
           "--max-new-tokens", str(R["eval_max_new_tokens"]), "--device", "cpu", "--no-baseline", "--workers", str(args.workers)])
-    _log(root, f"eval {args.variant}", time.time() - t, workers=args.workers)
+    _log(root, f"eval {args.variant} part {args.part}", time.time() - t, workers=args.workers)
+
+
+def _eval_parts(run: Path) -> list[dict] | None:
+    """The decode reports of all EVAL_PARTS parts of a run (None until all are there)."""
+    parts = [run / f"mtbench-part{k}.json" for k in range(EVAL_PARTS)]
+    return [json.loads(p.read_text()) for p in parts] if all(p.exists() for p in parts) else None
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -312,13 +333,16 @@ def report(args) -> None:
             metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             rec.update(heldout_acc=[round(a, 4) for a in ev["acc"]], heldout_loss=[round(a, 4) for a in ev["loss"]],
                        steps=metrics[-1]["step"], train_tokens=sum(r["tokens"] for r in metrics))
-        rep = run / "mtbench.json"
-        if rep.exists():
-            r = json.loads(rep.read_text())
-            rec.update(tau=round(r["tau"], 4), accept_per_position=[round(a, 4) for a in r["accept_per_position"]],
-                       generated_tokens=r["generated_tokens"], verify_steps=r["verify_steps"], n_prompts=r["n_prompts"])
-            tau[v] = r["per_prompt"]
-            rec["per_prompt"] = [{k: p[k] for k in ("id", "tau", "verified_tokens", "verify_steps")} for p in r["per_prompt"]]
+        parts = _eval_parts(run)
+        if parts:
+            pp = [p for r in parts for p in r["per_prompt"]]
+            steps = sum(p["verify_steps"] for p in pp)
+            acc = [sum(r["accept_per_position"][k] * r["verify_steps"] for r in parts) / steps for k in range(RECIPE["eval_steps"])]
+            rec.update(tau=round(sum(p["verified_tokens"] for p in pp) / steps, 4), accept_per_position=[round(a, 4) for a in acc],
+                       generated_tokens=sum(r["generated_tokens"] for r in parts), verify_steps=steps,
+                       n_prompts=sum(r["n_prompts"] for r in parts), verification=parts[0].get("verification"))
+            tau[v] = pp
+            rec["per_prompt"] = [{k: p[k] for k in ("id", "tau", "verified_tokens", "verify_steps")} for p in pp]
         out.setdefault("variants", {})[v] = rec
     if "bf16" in tau:
         b = tau["bf16"]
@@ -330,8 +354,9 @@ def report(args) -> None:
             out["variants"][v]["tau_minus_bf16"] = {"diff": round(iv["diff"], 4), "ci95": [round(x, 4) for x in iv["ci95"]],
                                                     "bootstrap": iv["bootstrap"], "pct": round(100 * iv["diff"] / tb, 2),
                                                     "ci95_pct": [round(100 * x / tb, 2) for x in iv["ci95"]]}
-            same = sum(a["verified_tokens"] == c["verified_tokens"] for a, c in zip(b, pp))
-            out["variants"][v]["prompts_with_equal_token_counts"] = same
+            # verification is exact (rowwise): every store's decode should emit the target's own greedy text
+            out["variants"][v]["texts_compared"] = len(pp)
+            out["variants"][v]["texts_identical_to_bf16"] = sum(a["output_ids"] == c["output_ids"] for a, c in zip(b, pp))
     if (q / "data" / "meta.json").exists():
         meta = json.loads((q / "data" / "meta.json").read_text())
         out["recipe"] = {**RECIPE, "prepared_samples": meta.get("n_samples"), "prepared_tokens": meta.get("n_tokens"),
@@ -359,6 +384,7 @@ def main() -> None:
         if name == "train":
             p.add_argument("--max-steps", type=int, default=None, help="smoke runs only: cut the recipe short")
         else:
+            p.add_argument("part", type=int, choices=range(EVAL_PARTS), help=f"which of the {EVAL_PARTS} parts of MT-bench")
             p.add_argument("--workers", type=int, default=2, help="eval processes (each decodes a share of the prompts)")
     p = sub.add_parser("report")
     p.add_argument("--note", default=None, help="free text recorded with the result")

@@ -40,7 +40,7 @@ def render(results: dict[str, dict]) -> str:
               f"τ on Qwen2.5-Coder-0.5B ({rec['prepared_samples']} ShareGPT conversations ≤ {rec['max_length']} tokens, "
               f"{rec['prepared_tokens']:,} tokens; TTT {rec['ttt_steps']}, draft vocab {rec['draft_vocab']:,}, lr {rec['lr']}, "
               f"{rec['batch_tokens']}-token batches, {rec['epochs']} epochs, {rec['train_dtype']}, seed {rec['seed']}: the same batches "
-              f"for every store), decoded on all {rec['eval_limit']} MT-bench first turns ({rec['eval_max_new_tokens']} new tokens, "
+              f"for every store), decoded on all {rec['eval_prompts']} MT-bench first turns ({rec['eval_max_new_tokens']} new tokens, "
               f"chain of {rec['eval_steps']}, greedy):",
               "",
               "| store | bytes/token | held-out accuracy (TTT 1 / 2 / 3) | τ | vs bf16 (paired bootstrap 95 % CI) |",
