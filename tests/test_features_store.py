@@ -316,6 +316,9 @@ def test_fp8_stores_of_one_scale_per_layer_still_read_and_convert_to_block_scale
     assert "fp8_block" not in st  # exactly what the code before the field wrote (fingerprints of runs unchanged)
     fs = FeatureStore(old)
     assert fs.meta.fp8_block == 576 and fs.meta.scheme == "fp8 (e4m3, one scale per token and layer)" and fs.verify() == []
+    capsys.readouterr()
+    assert main(["features", "info", str(old)]) == 0
+    assert json.loads(capsys.readouterr().out)["scheme"] == "fp8 (e4m3, one scale per token and layer)"
     raw = fs.load_stored(0)
     T = raw["input_ids"].shape[0]
     assert raw["aux_hidden_states_exp"].shape == (T, 3) and raw["last_hidden_state_exp"].shape == (T, 1)  # the old layout

@@ -71,7 +71,8 @@ def _info(cfg, args) -> int:
     from eaglenest.features import FeatureStore
 
     fs = FeatureStore(cfg.store)
-    print(json.dumps({**fs.meta.to_dict(), "samples": len(fs), "tokens": fs.n_tokens, "bytes": fs.bytes_on_disk()}, indent=2))
+    print(json.dumps({**fs.meta.to_dict(), "scheme": fs.meta.scheme, "samples": len(fs), "tokens": fs.n_tokens,
+                      "bytes": fs.bytes_on_disk()}, indent=2))
     return 0
 
 
