@@ -309,7 +309,7 @@ def report(args) -> None:
     from online import tau_interval
 
     from eaglenest.features import FeatureStore
-    from eaglenest.features.store import bytes_per_token
+    from eaglenest.features.store import bytes_per_token, fp8_block_for
 
     root = Path(args.root)
     out = {"kind": "store_outliers", "what": __doc__.split("\n\n")[0].replace("\n", " "), "schemes": {
@@ -319,6 +319,7 @@ def report(args) -> None:
         m = root / t / "measure.json"
         if m.exists():
             out["measure"][t] = json.loads(m.read_text())
+            out["measure"][t]["block128_values"] = fp8_block_for(out["measure"][t]["hidden_size"], 128)  # what "block128" is there
     q = root / "qwen25-coder"
     tau = {}
     for v in VARIANTS:
