@@ -87,7 +87,7 @@ def build_store(root: Path, dtype: str, gb: float, min_len: int, max_len: int, s
     # one pool of random states, encoded once; samples are slices of it at random offsets
     pool = torch.randn(max_len + 4096, 4 * HIDDEN, generator=g).bfloat16()
     enc = encode_sample({"input_ids": torch.zeros(len(pool)), "loss_mask": torch.zeros(len(pool)),
-                         "aux_hidden_states": pool[:, : 3 * HIDDEN], "last_hidden_state": pool[:, 3 * HIDDEN :]}, dtype)
+                         "aux_hidden_states": pool[:, : 3 * HIDDEN], "last_hidden_state": pool[:, 3 * HIDDEN :]}, dtype, meta.fp8_block)
     t0 = time.time()
     for bi, batch in enumerate(plan_batches(lengths, 8192)):  # capture's shard sizes at --batch-tokens 8192
         samples = []

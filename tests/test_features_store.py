@@ -34,27 +34,80 @@ def _refused(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_fp8_codec_is_exact_in_bf16_and_within_e4m3_precision():
+def _flushed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Values the codec turned to zero."""
+    return (x != 0) & (y == 0)
+
+
+@pytest.mark.parametrize("block", [256, 128], ids=["one-scale-per-token-and-layer", "block128"])
+def test_fp8_codec_is_exact_in_bf16_and_within_e4m3_precision(block):
     g = torch.Generator().manual_seed(0)
+    H = 256
     # 3 layers per token, magnitudes from 1e-4 to 1e4 across tokens, one layer of a token all zero,
     # a massive-activation channel, and values that land exactly on the top of the e4m3 range
-    x = torch.randn(64, 3 * 96, generator=g) * torch.logspace(-4, 4, 64)[:, None]
-    x[5, 96:192] = 0
-    x[7, 3] = 3e4
+    x = torch.randn(64, 3 * H, generator=g) * torch.logspace(-4, 4, 64)[:, None]
+    x[5, H : 2 * H] = 0
+    x[7, 3] = 28672.0  # 1.75 * 2**14, exact in e4m3: 10^7 times its row's other values
     x[9, :] = 448.0
     x = x.bfloat16()
-    codes, exp = fp8_encode(x, 3)
-    assert codes.dtype == torch.float8_e4m3fn and exp.dtype == torch.int8 and exp.shape == (64, 3)
+    codes, exp = fp8_encode(x, block)
+    assert codes.dtype == torch.float8_e4m3fn and exp.dtype == torch.int8 and exp.shape == (64, 3 * H // block)
     b = codes.view(torch.uint8)
     assert not ((b & 0x7F) == 0x7F).any()  # no NaN code
     assert not (((b & 0x78) == 0) & ((b & 0x07) != 0)).any()  # no subnormal code (the decoder relies on it)
     y = fp8_decode(codes, exp)
-    ref = (codes.float().view(64, 3, 96) * torch.exp2(exp.float())[:, :, None]).view(64, -1)
+    ref = (codes.float().view(64, -1, block) * torch.exp2(exp.float())[:, :, None]).view(64, -1)
     assert y.dtype == torch.bfloat16 and torch.equal(y.float(), ref)  # exact: a power-of-two scale
     xf, yf = x.float(), y.float()
-    big = xf.abs() >= xf.view(64, 3, 96).abs().amax(-1, keepdim=True).expand(64, 3, 96).reshape(64, -1) / 2**12
-    assert ((yf - xf).abs() <= xf.abs() * 2**-4 + 1e-30)[big].all()  # 3 mantissa bits: half an ulp
-    assert torch.equal(y[5, 96:192], torch.zeros(96, dtype=torch.bfloat16)) and torch.equal(y[9], x[9])
+    amax = xf.view(64, -1, block).abs().amax(-1, keepdim=True).expand(64, -1, block).reshape(64, -1)
+    flushed = _flushed(xf, yf)
+    # a value is flushed when its code would be an e4m3 subnormal (below 2**-6 at a scale that puts its
+    # block's absmax in (224, 448]): surely below absmax * 2**-14.81 * 15/16 (rounding), never from
+    # absmax * 2**-13.8 up; every other value keeps 3 mantissa bits
+    assert (xf.abs()[flushed] < amax[flushed] * 2**-13.8).all()
+    assert flushed[(xf != 0) & (xf.abs() < amax * 2**-14.81 * 15 / 16)].all()
+    assert ((yf - xf).abs() <= xf.abs() * 2**-4)[~flushed].all()  # half an ulp
+    assert torch.equal(y[5, H : 2 * H], torch.zeros(H, dtype=torch.bfloat16)) and torch.equal(y[9], x[9])
+    # the flushed share, explicitly: the outlier's scale takes every other value of its block with it
+    # (all of token 7's first layer with one scale per layer, its first 128 values with blocks) ...
+    assert flushed[7, :block].sum() == block - 1 and not flushed[7, block:].any() and yf[7, 3] == 28672.0
+    # ... while of Gaussian blocks only the rare value 10^4 times below the block's absmax is lost
+    rest = flushed.clone()
+    rest[7, :block] = False
+    assert rest.float().mean() < 2e-4, rest.float().mean()
+
+
+def test_fp8_block_scales_keep_the_small_channels_of_massive_activations():
+    """Real targets' massive activations: a few fixed channels 10^3-10^4 times the rest (Qwen2.5's
+    reach ~10^4, bench/results/store_outliers.json).  One scale per (token, layer) flushes or
+    coarsens every small channel of the token; one per 128 values costs only the outliers' blocks."""
+    g = torch.Generator().manual_seed(1)
+    H, T = 512, 256
+    x = torch.randn(T, H, generator=g)
+    x += 0.05 * x.sign()  # no value within 2**-14 of its block's absmax by chance: what is flushed is the scheme's doing
+    x[:, 3] = 5e3 * (1 + torch.rand(T, generator=g))  # two massive channels, in blocks 0 and 2 of 4
+    x[:, 300] = -2e3
+    x = x.bfloat16()
+    xf = x.float()
+    small = torch.ones(H, dtype=torch.bool)
+    small[[3, 300]] = False
+    per_layer = fp8_decode(*fp8_encode(x, H)).float()
+    blocks = fp8_decode(*fp8_encode(x, 128)).float()
+    # one scale per (token, layer): the small values below ~absmax * 2**-14 (|x| < 0.2-0.7 here, a
+    # quarter of them) are flushed outright, the rest keep 1-3 bits
+    f = _flushed(xf, per_layer)[:, small].float().mean()
+    assert f > 0.15, f
+    err_layer = (per_layer - xf)[:, small].norm() / xf[:, small].norm()
+    assert err_layer > 0.1, err_layer
+    # one per 128 values: blocks 1 and 3 (no outlier) keep e4m3's full precision, nothing flushed there;
+    # blocks 0 and 2 lose what one scale per layer loses
+    clean = torch.zeros(H, dtype=torch.bool)
+    clean[128:256] = clean[384:512] = True
+    assert not _flushed(xf, blocks)[:, clean].any()
+    assert ((blocks - xf).abs() <= xf.abs() * 2**-4)[:, clean].all()
+    err_blocks = (blocks - xf)[:, small].norm() / xf[:, small].norm()
+    assert err_blocks < err_layer * 0.75, (err_blocks, err_layer)
+    assert torch.equal(blocks[:, [3, 300]], per_layer[:, [3, 300]])  # the outliers themselves: the same codes
 
 
 def test_fp8_store_reads_decoded_on_every_read_path(smol_store, fp8_store):
@@ -64,11 +117,14 @@ def test_fp8_store_reads_decoded_on_every_read_path(smol_store, fp8_store):
     assert fs.meta.dtype == "fp8" and len(fs) == len(src) == 24 and fs.verify() == []
     assert fs.ids() == src.ids() and fs.lengths() == src.lengths()
     st = json.loads((fp8_store / "store.json").read_text())
-    assert {k: v for k, v in st.items() if k != "dtype"} == {k: v for k, v in json.loads((smol_store / "store.json").read_text()).items() if k != "dtype"}
+    assert {k: v for k, v in st.items() if k not in ("dtype", "fp8_block")} == {
+        k: v for k, v in json.loads((smol_store / "store.json").read_text()).items() if k != "dtype"}
     # on disk: half of bf16's bytes (F8_E4M3 tensors in the shards)
     ratio = fs.bytes_on_disk() / src.bytes_on_disk()
     assert ratio <= 0.55, ratio
     assert bytes_per_token(576, "fp8") / bytes_per_token(576, "bf16") <= 0.55
+    assert fs.meta.fp8_block == st["fp8_block"] == 96  # the largest divisor of 576 <= 128: one int8 exponent per 96 codes
+    assert "fp8_block" not in json.loads((smol_store / "store.json").read_text())  # bf16 stores: store.json as before
     header = (fp8_store / "shards" / fs.entries[0]["shard"]).read_bytes()[:4096]
     assert b'"F8_E4M3"' in header and b'"I8"' in header
     for i in (0, 11, 23):
@@ -133,7 +189,8 @@ def test_convert_resumes_after_an_interruption(smol_store, fp8_store, tmp_path, 
     assert main(["features", "convert", str(smol_store), "--store-dtype", "fp8", "--out", str(out)]) == 0
     a, b = FeatureStore(out), FeatureStore(fp8_store)
     assert a.ids() == b.ids() and [e["sha256"] for e in a.entries] == [e["sha256"] for e in b.entries] and a.verify() == []
-    assert "already holds dtype fp8" in _refused(["features", "convert", str(fp8_store), "--store-dtype", "fp8", "--out", str(tmp_path / "again")], capsys)
+    assert "already holds fp8 (e4m3, one scale per 96 values)" in _refused(
+        ["features", "convert", str(fp8_store), "--store-dtype", "fp8", "--out", str(tmp_path / "again")], capsys)
     # back to bf16: exactly the decoded values
     assert main(["features", "convert", str(fp8_store), "--store-dtype", "bf16", "--out", str(tmp_path / "back")]) == 0
     back = FeatureStore(tmp_path / "back")
@@ -233,8 +290,10 @@ def test_dry_run_plans_a_kimi_shaped_capture_from_config_alone(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "17,300,000 tokens" in err and "61 layers, hidden 7168" in err
     assert "bf16" in err and "57,349" in err and "924.0 GiB" in err  # 4 x 7168 x 2 + 5 bytes per token: the seed's 924 GB
-    assert "fp8" in err and "28,681" in err and "462.1 GiB" in err and "<- this run" in err.split("fp8")[1].splitlines()[0]
-    fits = free_bytes(tmp_path) >= 17_300_000 * 28_681 * 1.01
+    # fp8: 4 x 7168 codes + one exponent per 128 of them + 5 bytes
+    assert "fp8" in err and "28,901" in err and "465.6 GiB" in err and "<- this run" in err.split("\n  fp8")[1].splitlines()[0]
+    assert "store dtype fp8 (e4m3, one scale per 128 values) (auto: hidden size 7168 >= 4096" in err
+    fits = free_bytes(tmp_path) >= 17_300_000 * 28_901 * 1.01
     assert rc == (0 if fits else 1) and ("does NOT fit" in err) == (not fits)
     assert "free at" in err and not (tmp_path / "f").exists()
 
@@ -340,3 +399,87 @@ def test_convert_validates_every_sample_as_capture_does(smol_store, tmp_path, ca
     fails16 = {f["id"]: f for f in _rows(out16 / "failures.jsonl")}
     assert set(fails16) == {ids[3], ids[8], ids[10]} and "fp16" in fails16[ids[10]]["message"]
     assert len(FeatureStore(out16)) == 21
+
+
+def test_fp8_stores_of_one_scale_per_layer_still_read_and_convert_to_block_scales(smol_store, fp8_store, tmp_path, capsys):
+    """An fp8 store written before `fp8_block` existed (one scale per token and layer, no field in
+    store.json) reads, verifies and resumes as before, and converts to the block scheme without loss."""
+    from eaglenest.features.store import FeatureWriter, StoreMeta
+
+    old = tmp_path / "old"
+    assert main(["features", "convert", str(smol_store), "--store-dtype", "fp8", "--fp8-block", "0", "--out", str(old)]) == 0
+    st = json.loads((old / "store.json").read_text())
+    assert "fp8_block" not in st  # exactly what the code before the field wrote (fingerprints of runs unchanged)
+    fs = FeatureStore(old)
+    assert fs.meta.fp8_block == 576 and fs.meta.scheme == "fp8 (e4m3, one scale per token and layer)" and fs.verify() == []
+    capsys.readouterr()
+    assert main(["features", "info", str(old)]) == 0
+    assert json.loads(capsys.readouterr().out)["scheme"] == "fp8 (e4m3, one scale per token and layer)"
+    raw = fs.load_stored(0)
+    T = raw["input_ids"].shape[0]
+    assert raw["aux_hidden_states_exp"].shape == (T, 3) and raw["last_hidden_state_exp"].shape == (T, 1)  # the old layout
+    src = FeatureStore(smol_store)
+    cos = torch.nn.functional.cosine_similarity(fs[5]["aux_hidden_states"].float(), src[5]["aux_hidden_states"].float(), dim=-1)
+    assert cos.min() > 0.99
+    # resuming into it: the same scheme appends, another is refused by name
+    same = StoreMeta.from_dict({**fs.meta.to_dict()})
+    FeatureWriter(old, same)
+    with pytest.raises(Exception, match=r"fp8_block: store has 576, this run 96"):
+        FeatureWriter(old, fs.meta.with_scheme("fp8"))
+    assert json.loads((old / "store.json").read_text()) == st  # untouched
+    # to blocks: lossless (a finer power-of-two scale only shifts each code's exponent)
+    new = tmp_path / "new"
+    assert main(["features", "convert", str(old), "--store-dtype", "fp8", "--out", str(new)]) == 0
+    nb = FeatureStore(new)
+    assert nb.meta.fp8_block == 96 and nb.verify() == [] and nb.ids() == fs.ids()
+    for i in (0, 7, 23):
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            assert torch.equal(nb[i][name], fs[i][name]), (i, name)
+    assert "already holds fp8 (e4m3, one scale per 96 values)" in _refused(
+        ["features", "convert", str(new), "--store-dtype", "fp8", "--fp8-block", "128", "--out", str(tmp_path / "x")], capsys)
+    # the block store flushes no more than the old one, of the very same captured values
+    def flushed(store):
+        n = 0
+        for i in range(len(src)):
+            a, b = src[i]["aux_hidden_states"], store[i]["aux_hidden_states"]
+            n += int(((a != 0) & (b == 0)).sum())
+        return n
+    assert flushed(FeatureStore(fp8_store)) <= flushed(fs)
+    # stores of two schemes never merge
+    err = _refused(["features", "merge", str(old), str(fp8_store), "--out", str(tmp_path / "m")], capsys)
+    assert re.search(r"fp8_block: \S+ has 576, \S+ has 96", err), err
+
+
+def test_store_dtype_auto_keeps_an_fp32_run_in_fp32(tmp_path, capsys):
+    """`--store-dtype auto` picks fp8 for wide targets run in bf16 only: `--dtype fp32` keeps fp32, and
+    the resolved store dtype is printed at start (plan and real capture alike)."""
+    from eaglenest.capture.run import resolve_store_dtype
+
+    assert resolve_store_dtype("auto", "bf16", 7168)[0] == "fp8"
+    assert resolve_store_dtype("auto", "fp32", 7168)[0] == "fp32"
+    assert resolve_store_dtype("auto", "bf16", 576)[0] == "bf16"
+    assert resolve_store_dtype("fp8", "fp32", 576)[0] == "fp8"
+    kimi = _config_only(tmp_path, 7168, 61)
+    for extra, chosen, why in ((["--dtype", "fp32"], "fp32", "auto: the target runs in fp32"),
+                               (["--dtype", "fp32", "--store-dtype", "fp8"], "fp8 (e4m3, one scale per 128 values)", "--store-dtype"),
+                               ([], "fp8 (e4m3, one scale per 128 values)", "auto: hidden size 7168 >= 4096")):
+        capsys.readouterr()
+        main(["capture", "--model", str(kimi), "--out", str(tmp_path / "f"), "--dry-run", "--tokens", "1000", *extra])
+        err = capsys.readouterr().err
+        assert f"store dtype {chosen} ({why}" in err, err
+        mark = [line.split()[0] for line in err.splitlines() if line.endswith("<- this run")]
+        assert mark == [chosen.split()[0]], err
+
+
+def test_capture_fp32_on_a_wide_target_stores_fp32(tiny_llama_dir, smol_data, tmp_path, monkeypatch):
+    """The real capture path: a target counted as wide (the threshold lowered to the tiny model's
+    hidden size) stores fp8 when run in bf16 and fp32 when run in fp32."""
+    import eaglenest.capture.run as cr
+
+    monkeypatch.setattr(cr, "COMPACT_FROM_HIDDEN", 64)
+    for dtype, stored in (("bf16", "fp8"), ("fp32", "fp32")):
+        out = tmp_path / dtype
+        assert main(["capture", "--model", str(tiny_llama_dir), "--data", str(smol_data), "--out", str(out), "--limit", "2",
+                     "--device", "cpu", "--dtype", dtype]) == 0
+        fs = FeatureStore(out)
+        assert fs.meta.dtype == stored and fs[0]["aux_hidden_states"].dtype == (torch.float32 if stored == "fp32" else torch.bfloat16)

@@ -29,11 +29,13 @@ def register(sub) -> None:
 
 
 def _run(cfg, args) -> int:
+    import sys
     from pathlib import Path
 
     from eaglenest import EaglenestError
     from eaglenest.capture.layers import parse_layer_ids
     from eaglenest.capture.run import _done_ids, check_room, print_plan, resolve_store_dtype, run_capture
+    from eaglenest.features.store import describe_scheme, fp8_block_for, is_fp8
     from eaglenest.data import PreparedData
     from eaglenest.engines import get_engine_module
     from eaglenest.models.target import model_config, resolve_model_path
@@ -46,7 +48,9 @@ def _run(cfg, args) -> int:
     except (KeyError, TypeError, ValueError):
         raise EaglenestError(f"{path}/config.json: no integer hidden_size / num_hidden_layers (nor in text_config)") from None
     layer_ids = parse_layer_ids(cfg.layers, n_layers)  # the plan's size depends on how many
-    store_dtype = resolve_store_dtype(cfg.store_dtype, cfg.dtype, hidden)
+    store_dtype, why = resolve_store_dtype(cfg.store_dtype, cfg.dtype, hidden)
+    block = fp8_block_for(hidden, cfg.fp8_block) if is_fp8(store_dtype) else None
+    print(f"capture: target runs in {cfg.dtype}; store dtype {describe_scheme(store_dtype, block, hidden)} ({why})", file=sys.stderr)
     if cfg.data is None and not (cfg.dry_run and cfg.tokens is not None):
         raise EaglenestError("capture needs --data (only `--dry-run --tokens N` plans without data)")
     if cfg.data is None:
@@ -60,9 +64,9 @@ def _run(cfg, args) -> int:
         todo = sum(t for sid, t in lengths.items() if sid not in done)
         n_done = n - n_samples
     if cfg.dry_run:
-        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype, layer_ids)
+        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype, layer_ids, block)
         return 0 if fits or cfg.ignore_disk else 1
-    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk, len(layer_ids))
+    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk, block, len(layer_ids))
     engine = get_engine_module(cfg.engine).create(args)  # engines read their flags from args
     with engine:
         s = run_capture(
@@ -70,6 +74,7 @@ def _run(cfg, args) -> int:
             data,
             out,
             dtype=store_dtype,
+            fp8_block=cfg.fp8_block,
             batch_tokens=cfg.batch_tokens,
             ignore_disk=cfg.ignore_disk,
             max_failures=cfg.max_failures,

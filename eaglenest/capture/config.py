@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from eaglenest.capture.run import COMPACT_DTYPE, COMPACT_FROM_HIDDEN
 from eaglenest.config import option
 from eaglenest.engines import engine_names
-from eaglenest.features.store import STORE_DTYPES
+from eaglenest.features.store import FP8_BLOCK, STORE_DTYPES
 
 
 @dataclass(kw_only=True)
@@ -20,11 +20,17 @@ class CaptureConfig:
     layers: str = option("auto", "aux layer ids, capture-before convention: auto (EAGLE-3's [2, N//2, N-3]) or any "
                          "number of increasing ids i,j,k,... (DFlash: five spread over the depth)")
     batch_tokens: int = option(8192, "max padded tokens per batch")
-    dtype: str = option("bf16", "dtype the target runs in", choices=["bf16", "fp32"])
-    store_dtype: str = option("auto", f"how the states are stored: fp8 = float8 e4m3 with a power-of-two scale per token and "
-                              f"per layer (half of bf16's bytes; decoded to bf16 on read), fp8-aux = only the aux states in "
-                              f"fp8; auto = {COMPACT_DTYPE} for targets with hidden size >= {COMPACT_FROM_HIDDEN}, else --dtype "
-                              f"(the measured cost is in the README)", choices=["auto", *STORE_DTYPES])
+    dtype: str = option("bf16", "dtype the target runs in (an fp32 run keeps an fp32 store under --store-dtype auto)",
+                        choices=["bf16", "fp32"])
+    store_dtype: str = option("auto", f"how the states are stored: fp8 = float8 e4m3 with a power-of-two scale per "
+                              f"--fp8-block values (half of bf16's bytes; decoded to bf16 on read), fp8-aux = only the aux "
+                              f"states in fp8; auto (the default) = {COMPACT_DTYPE} for a target with hidden size >= "
+                              f"{COMPACT_FROM_HIDDEN} run in bf16, else --dtype (so --dtype fp32 stores fp32). The resolved "
+                              f"choice is printed at start; the measured cost is in the README", choices=["auto", *STORE_DTYPES])
+    fp8_block: int = option(FP8_BLOCK, "fp8 stores: how many consecutive values of a layer share one scale (the largest "
+                            "divisor of the hidden size <= N is used; 0 = one scale per token and layer, the scheme of fp8 "
+                            f"stores written before this option, which loses the small channels of targets with massive "
+                            f"activations) (default: {FP8_BLOCK})", metavar="N")
     limit: int | None = option(None, "only the first N prepared samples")
     dry_run: bool = option(False, "print tokens, bytes per token and disk needed per store dtype, then stop "
                            "(exit 1 if the chosen store dtype does not fit)")

@@ -17,7 +17,17 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.engines.base import Captured, Engine, Failure, Request, check_echo
-from eaglenest.features.store import FeatureWriter, StoreMeta, bytes_per_token, estimate_bytes, free_bytes, validate_sample
+from eaglenest.features.store import (
+    FP8_BLOCK,
+    FeatureWriter,
+    StoreMeta,
+    bytes_per_token,
+    estimate_bytes,
+    fp8_block_for,
+    free_bytes,
+    is_fp8,
+    validate_sample,
+)
 from eaglenest.utils import Failures, human_bytes, progress
 
 # `--store-dtype auto`: targets this wide get the compact store (measured: bench/results/store_dtype.json)
@@ -25,15 +35,23 @@ COMPACT_FROM_HIDDEN = 4096
 COMPACT_DTYPE = "fp8"
 
 
-def resolve_store_dtype(store_dtype: str, model_dtype: str, hidden_size: int) -> str:
+def resolve_store_dtype(store_dtype: str, model_dtype: str, hidden_size: int) -> tuple[str, str]:
+    """(store dtype, why) for `--store-dtype` and `--dtype`.  auto = the compact store for wide
+    targets run in bf16, else the target's dtype: a run in fp32 asks for fp32 precision, and its
+    store keeps it (an fp8 store of an fp32 run needs --store-dtype fp8, said on the line)."""
     if store_dtype != "auto":
-        return store_dtype
-    return COMPACT_DTYPE if hidden_size >= COMPACT_FROM_HIDDEN else model_dtype
+        return store_dtype, "--store-dtype"
+    if model_dtype != "bf16":
+        return model_dtype, f"auto: the target runs in {model_dtype}, the store keeps it"
+    if hidden_size >= COMPACT_FROM_HIDDEN:
+        return COMPACT_DTYPE, f"auto: hidden size {hidden_size} >= {COMPACT_FROM_HIDDEN}; --store-dtype bf16 keeps bf16"
+    return model_dtype, f"auto: hidden size {hidden_size} < {COMPACT_FROM_HIDDEN}"
 
 
-def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool, aux_layers: int = 3) -> None:
+def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool,
+               fp8_block: int | None = None, aux_layers: int = 3) -> None:
     """Refuse to start a capture the disk at `out` cannot hold (`aux_layers`: how many layers it captures)."""
-    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype, aux_layers), free_bytes(out)
+    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block, aux_layers), free_bytes(out)
     if need > free and not ignore_disk:
         raise EaglenestError(
             f"not enough disk at {out}: {n_tokens:,} tokens in {store_dtype} need ~{human_bytes(need)}, "
@@ -42,7 +60,7 @@ def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ign
 
 
 def print_plan(out: Path, target: str, hidden_size: int, num_layers: int, n_samples: int | None, n_tokens: int,
-               n_done: int, store_dtype: str, model_dtype: str, layer_ids: list[int]) -> bool:
+               n_done: int, store_dtype: str, model_dtype: str, layer_ids: list[int], fp8_block: int | None = None) -> bool:
     """The dry run: bytes per token and total size in every store dtype for the `layer_ids` captured,
     free disk; True if the chosen one fits."""
     free = free_bytes(out)
@@ -54,10 +72,10 @@ def print_plan(out: Path, target: str, hidden_size: int, num_layers: int, n_samp
         f"  {'store dtype':<16}{'bytes/token':>12}{'total':>12}{'vs bf16':>9}",
     ]
     for d in dict.fromkeys(["bf16", model_dtype, "fp8", "fp8-aux", store_dtype]):
-        per = bytes_per_token(hidden_size, d, n)
+        per = bytes_per_token(hidden_size, d, fp8_block, n)
         mark = " <- this run" if d == store_dtype else ""
-        lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16', n):>8.2f}x{mark}")
-    need = estimate_bytes(n_tokens, hidden_size, store_dtype, n)
+        lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16', aux_layers=n):>8.2f}x{mark}")
+    need = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block, n)
     fits = need <= free
     lines.append(f"free at {out}: {human_bytes(free)}; {store_dtype} needs ~{human_bytes(need)} on disk: "
                  + ("fits" if fits else "does NOT fit, capture would refuse to start (override: --ignore-disk)"))
@@ -93,8 +111,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch: int = 256) ->
     return batches
 
 
-def store_meta_for(engine: Engine, dtype: str) -> StoreMeta:
-    """`dtype`: the store dtype (STORE_DTYPES)."""
+def store_meta_for(engine: Engine, dtype: str, fp8_block: int = FP8_BLOCK) -> StoreMeta:
+    """`dtype`: the store dtype (STORE_DTYPES); fp8_block as `--fp8-block` (fp8 stores only)."""
     info = engine.info()
     return StoreMeta(
         target=info.target,
@@ -106,6 +124,7 @@ def store_meta_for(engine: Engine, dtype: str) -> StoreMeta:
         dtype=dtype,
         engine=engine.name,
         vocab_size=info.vocab_size,
+        fp8_block=fp8_block_for(info.hidden_size, fp8_block) if is_fp8(dtype) else None,
     )
 
 
@@ -143,10 +162,11 @@ def run_capture(
     ignore_disk: bool = False,
     max_failures: int | None = None,
     limit: int | None = None,
+    fp8_block: int = FP8_BLOCK,
 ) -> CaptureSummary:
     """`data` is a PreparedData (or any sequence of samples with id/input_ids/loss_mask);
-    `dtype` is the store dtype (bf16, fp32, fp8, ...: STORE_DTYPES)."""
-    meta = store_meta_for(engine, dtype)
+    `dtype` is the store dtype (bf16, fp32, fp8, ...: STORE_DTYPES), fp8_block as `--fp8-block`."""
+    meta = store_meta_for(engine, dtype, fp8_block)
     samples = [data[i] for i in range(len(data) if limit is None else min(limit, len(data)))]
     if data_vocab := getattr(data, "meta", {}).get("vocab_size"):
         if meta.vocab_size and data_vocab > meta.vocab_size:
@@ -155,16 +175,16 @@ def run_capture(
     done = writer.done if writer else _done_ids(out)
     todo_tokens = sum(len(s.input_ids) for s in samples if s.id not in done)
     n_todo = sum(1 for s in samples if s.id not in done)
-    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype, meta.aux_layers)
+    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype, meta.fp8_block, meta.aux_layers)
     free = free_bytes(out)
     print(
         f"capture: {n_todo} samples / {todo_tokens:,} tokens to process ({len(samples) - n_todo} already stored); "
-        f"needs ~{human_bytes(need)} on disk ({dtype}), {human_bytes(free)} free at {out}",
+        f"needs ~{human_bytes(need)} on disk ({meta.scheme}), {human_bytes(free)} free at {out}",
         file=sys.stderr,
     )
     if dry_run:
         return CaptureSummary(0, len(samples) - n_todo, 0, todo_tokens, 0.0, 0, {"estimate_bytes": need, "free_bytes": free})
-    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk, meta.aux_layers)
+    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk, meta.fp8_block, meta.aux_layers)
 
     failures = Failures()
     lengths = [len(s.input_ids) for s in samples]

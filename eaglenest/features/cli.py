@@ -35,8 +35,9 @@ def register(sub) -> None:
         fsub, ConvertConfig, _convert,
         "convert",
         help="re-encode a store into another store dtype (e.g. fp8)",
-        description="Write a copy of STORE in another store dtype (fp8: float8 e4m3 with a power-of-two scale per token "
-        "and per layer, half the bytes of bf16; fp8-aux: only the aux states in fp8). Every source checksum is "
+        description="Write a copy of STORE in another store dtype or fp8 scheme (fp8: float8 e4m3 with a power-of-two "
+        "scale per --fp8-block values, half the bytes of bf16; fp8-aux: only the aux states in fp8; an fp8 store "
+        "converts to another --fp8-block, e.g. one written with one scale per token and layer). Every source checksum is "
         "checked on the way, and every sample as capture checks it (shapes, finite values), before and after "
         "re-encoding: one that fails is not copied, is recorded in OUT/failures.jsonl and makes the exit status 1. "
         "The output is an ordinary store (manifest, checksums, `verify`); re-running the same command after an "
@@ -74,7 +75,8 @@ def _info(cfg, args) -> int:
     from eaglenest.features import FeatureStore
 
     fs = FeatureStore(cfg.store)
-    print(json.dumps({**fs.meta.to_dict(), "samples": len(fs), "tokens": fs.n_tokens, "bytes": fs.bytes_on_disk()}, indent=2))
+    print(json.dumps({**fs.meta.to_dict(), "scheme": fs.meta.scheme, "samples": len(fs), "tokens": fs.n_tokens,
+                      "bytes": fs.bytes_on_disk()}, indent=2))
     return 0
 
 
@@ -90,7 +92,7 @@ def _stats(cfg, args) -> int:
         ("samples", f"{st['samples']:,} in {st['shards']:,} shards"),
         ("tokens", f"{st['tokens']:,}" + (f" (per sample {st['sample_tokens']['min']}-{st['sample_tokens']['max']}, mean {st['sample_tokens']['mean']})" if st["sample_tokens"] else "")),
         ("bytes", f"{human_bytes(st['bytes'])} ({st['bytes_per_token']} per token)"),
-        ("dtype", st["dtype"]),
+        ("dtype", st["scheme"]),
         ("hidden / layers", f"{st['hidden_size']} / {st['num_layers']}, aux layer ids {st['layer_ids']} (capture-before), final state {st['final_norm']}-norm"),
         ("target", f"{st['target']} (fingerprint {st['target_fingerprint']}, engine {st['engine']})"),
         ("failures", f"{st['failures']} not stored" + (f": {', '.join(f'{k} {v}' for k, v in st['failures_by_reason'].items())}" if st["failures"] else "")),
@@ -103,7 +105,7 @@ def _stats(cfg, args) -> int:
 def _convert(cfg, args) -> int:
     from eaglenest.features.ops import convert
 
-    s = convert(cfg.store, cfg.out, cfg.store_dtype, ignore_disk=cfg.ignore_disk)
+    s = convert(cfg.store, cfg.out, cfg.store_dtype, ignore_disk=cfg.ignore_disk, fp8_block=cfg.fp8_block)
     return 1 if s.damaged or s.failed.total else 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eaglenest.config import option
-from eaglenest.features.store import STORE_DTYPES
+from eaglenest.features.store import FP8_BLOCK, STORE_DTYPES
 
 _STORE = "feature store directory"
 _OUT = "(created or resumed)"
@@ -32,6 +32,8 @@ class StatsConfig(InfoConfig):
 class ConvertConfig:
     store: str = option(help="source " + _STORE, positional=True)
     store_dtype: str = option(help="dtype of the new store", choices=sorted(STORE_DTYPES))
+    fp8_block: int = option(FP8_BLOCK, "fp8 stores: values per scale, as capture's --fp8-block (0 = one scale per token "
+                            f"and layer) (default: {FP8_BLOCK})", metavar="N")
     out: str = option(help=f"new {_STORE} {_OUT}")
     ignore_disk: bool = option(False, _IGNORE_DISK)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from eaglenest import EaglenestError
 from eaglenest.features.store import (
+    FP8_BLOCK,
     IDENTITY_KEYS,
     STORE_DTYPES,
     FeatureStore,
@@ -52,6 +53,8 @@ def stats(path: Path | str) -> dict:
         "bytes": n_bytes,
         "bytes_per_token": round(n_bytes / fs.n_tokens, 1) if fs.n_tokens else None,
         "dtype": m.dtype,
+        "fp8_block": m.fp8_block,
+        "scheme": m.scheme,
         "hidden_size": m.hidden_size,
         "num_layers": m.num_layers,
         "layer_ids": m.layer_ids,
@@ -90,7 +93,7 @@ def _shard_groups(fs: FeatureStore) -> list[list[int]]:
 
 
 def _check_room(dst: Path, n_tokens: int, meta: StoreMeta, ignore_disk: bool) -> None:
-    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype, meta.aux_layers), free_bytes(dst)
+    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype, meta.fp8_block, meta.aux_layers), free_bytes(dst)
     if need > free and not ignore_disk:
         raise EaglenestError(f"not enough disk at {dst}: need ~{human_bytes(need)}, {human_bytes(free)} free (override: --ignore-disk)")
 
@@ -146,7 +149,7 @@ def _checked(raw: dict, src: StoreMeta, dst: StoreMeta, reencode: bool) -> tuple
     t = decode_sample(raw) if reencode else raw
     why = validate_sample(t, src)
     if why is None and reencode:
-        t = encode_sample(t, dst.dtype, dst.aux_layers)
+        t = encode_sample(t, dst.dtype, dst.fp8_block)
         why = validate_sample(t, dst)
         why = why and f"{why} after encoding to {dst.dtype}"
     return t, why
@@ -217,19 +220,20 @@ def _carry_failures(sources: list[FeatureStore], writer: FeatureWriter) -> int:
     return len(rows)
 
 
-def convert(src: Path | str, dst: Path | str, dtype: str, ignore_disk: bool = False) -> CopySummary:
-    """SRC re-encoded into a new store of `dtype` at DST (resumable: re-run to finish)."""
+def convert(src: Path | str, dst: Path | str, dtype: str, ignore_disk: bool = False, fp8_block: int = FP8_BLOCK) -> CopySummary:
+    """SRC re-encoded into a new store of `dtype` at DST (resumable: re-run to finish); fp8 stores
+    with one scale per `fp8_block` values (as `--fp8-block`: also between fp8 schemes)."""
     if dtype not in STORE_DTYPES:
         raise EaglenestError(f"unknown store dtype {dtype!r} (one of: {', '.join(STORE_DTYPES)})")
     fs = FeatureStore(src)
     if Path(dst).resolve() == fs.root.resolve():
         raise EaglenestError("--out must be a new directory, not the source store")
-    if fs.meta.dtype == dtype:
-        raise EaglenestError(f"{src} already holds dtype {dtype}")
-    meta = StoreMeta.from_dict({**fs.meta.to_dict(), "dtype": dtype})
+    meta = fs.meta.with_scheme(dtype, fp8_block)
+    if (meta.dtype, meta.fp8_block) == (fs.meta.dtype, fs.meta.fp8_block):
+        raise EaglenestError(f"{src} already holds {fs.meta.scheme}")
     _check_room(Path(dst), sum(fs.lengths()), meta, ignore_disk)
     writer = FeatureWriter(dst, meta)
-    s = _copy_samples([fs], writer, reencode=True, desc=f"convert -> {dtype}")
+    s = _copy_samples([fs], writer, reencode=True, desc=f"convert -> {meta.scheme}")
     _carry_failures([fs], writer)
     _report("convert", s, writer)
     return s
@@ -246,9 +250,9 @@ def merge(srcs: list[Path | str], dst: Path | str, ignore_disk: bool = False, on
     dst = Path(dst)
     if any(fs.root.resolve() == dst.resolve() for fs in stores):
         raise EaglenestError("--out must be a new directory (or an earlier merge's output), not one of the inputs")
-    ref = stores[0].meta.to_dict()
+    ref = stores[0].meta.identity()
     for fs in stores[1:]:
-        d = fs.meta.to_dict()
+        d = fs.meta.identity()
         diff = [k for k in IDENTITY_KEYS if d.get(k) != ref.get(k)]
         if diff:
             details = ", ".join(f"{k}: {stores[0].root} has {ref.get(k)!r}, {fs.root} has {d.get(k)!r}" for k in diff)

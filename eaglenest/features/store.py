@@ -9,8 +9,8 @@ Layout of FEAT_DIR:
                       `k.aux_hidden_states` ([T, n*H], n = len(layer_ids): the captured
                       layers' states concatenated in order), `k.last_hidden_state` ([T, H]);
                       in an fp8 store a state is float8 e4m3 codes plus `<name>_exp` (int8
-                      [T, layers]): value = code * 2**exp, one power-of-two scale per token and
-                      per layer (see "Store dtypes" below)
+                      [T, values / block]): value = code * 2**exp, one power-of-two scale per
+                      `fp8_block` consecutive values of a row (see "Store dtypes" below)
     manifest.jsonl    one line per stored sample: {id, shard, key, n_tokens, sha256};
                       appended (and fsynced) only after its shard is durable on disk
     failures.jsonl    samples that failed capture, with reasons (retried on the next run)
@@ -25,6 +25,14 @@ teacher's logits, stays bf16).  Scales are powers of two: they only move e4m3's 
 (its relative precision is the same at any scale), and decoding is then exact in bf16 and a few
 integer operations (fast on a CPU: see fp8_decode).  Readers always get the decoded
 bf16 tensors; verify/convert/merge work on the stored ones.
+
+The fp8 scheme (`store.json: fp8_block`) is how many consecutive values of a layer share one scale:
+by default the largest divisor of the hidden size <= 128 (FP8_BLOCK; a block never straddles two
+layers), 1 int8 exponent per 128 codes = 0.8 % more bytes.  One scale per (token, layer) -- block =
+hidden size, what fp8 stores held before this field existed (they have no `fp8_block`, and read as
+that) -- flushes every value below ~absmax * 2**-14 to zero, and targets with massive activations
+(a few channels 10^3-10^4 times the rest) lose most of a layer's channels on the tokens that carry
+them: measured in bench/results/store_outliers.json.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ FORMAT_VERSION = 1
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
 STATES = ("aux_hidden_states", "last_hidden_state")  # the hidden states a sample holds (state_layers: how wide)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + per-token, per-layer exponents
+# store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + one int8 exponent per fp8_block values
 STORE_DTYPES = {
     "bf16": ("bf16", "bf16"),
     "fp16": ("fp16", "fp16"),
@@ -64,8 +72,32 @@ STORE_DTYPES = {
     "fp8-aux": ("fp8", "bf16"),
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # default: at most this many values share one scale (DeepSeek-V3's fp8 activation tiles are 1 x 128)
 # metadata fields that must agree between a store and the run that appends to it
-IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype")
+IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype", "fp8_block")
+
+
+def is_fp8(dtype: str) -> bool:
+    return "fp8" in STORE_DTYPES[dtype]
+
+
+def fp8_block_for(hidden_size: int, block: int = FP8_BLOCK) -> int:
+    """Values per scale for `--fp8-block block`: the largest divisor of the hidden size <= block, so
+    that blocks tile every layer (and a decoder needs only the shapes); 0 = the whole layer, one
+    scale per (token, layer) (the scheme of fp8 stores written before `fp8_block` existed)."""
+    if block < 0:
+        raise EaglenestError(f"--fp8-block must be >= 0 (got {block})")
+    if block == 0 or block >= hidden_size:
+        return hidden_size
+    return max(d for d in range(1, block + 1) if hidden_size % d == 0)
+
+
+def describe_scheme(dtype: str, fp8_block: int | None, hidden_size: int) -> str:
+    """How a store keeps its states, in words (plans, stats, errors)."""
+    if not is_fp8(dtype):
+        return dtype
+    scale = "one scale per token and layer" if fp8_block in (None, hidden_size) else f"one scale per {fp8_block} values"
+    return f"{dtype} (e4m3, {scale})"
 
 
 def state_layers(aux_layers: int) -> dict[str, int]:
@@ -87,6 +119,19 @@ class StoreMeta:
     convention: str = "capture-before"
     vocab_size: int | None = None
     format_version: int = FORMAT_VERSION
+    # fp8 stores: values per scale (fp8_block_for; None: its default); None for the others.  In
+    # store.json only when finer than a layer: a store without it has one scale per (token, layer),
+    # as every fp8 store had before the field existed (so their store.json and fingerprints stay)
+    fp8_block: int | None = None
+
+    def __post_init__(self):
+        if self.dtype in STORE_DTYPES and is_fp8(self.dtype):
+            if self.fp8_block is None:
+                self.fp8_block = fp8_block_for(self.hidden_size)
+            elif self.fp8_block <= 0 or self.hidden_size % self.fp8_block:
+                raise EaglenestError(f"fp8_block {self.fp8_block} does not divide the hidden size {self.hidden_size}")
+        else:
+            self.fp8_block = None
 
     @property
     def aux_layers(self) -> int:
@@ -94,11 +139,32 @@ class StoreMeta:
         return len(self.layer_ids)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if d["fp8_block"] in (None, self.hidden_size):
+            del d["fp8_block"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "StoreMeta":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        """A store.json (or to_dict's output) -> StoreMeta; an fp8 store without `fp8_block` has one
+        scale per (token, layer).  For another dtype or scheme of a store use `with_scheme`."""
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if kw.get("fp8_block") is None and "hidden_size" in d:
+            kw["fp8_block"] = d["hidden_size"]  # dropped again (None) unless the dtype is fp8
+        return cls(**kw)
+
+    def identity(self) -> dict:
+        """The IDENTITY_KEYS fields (fp8_block named even where store.json omits it)."""
+        return {k: getattr(self, k) for k in IDENTITY_KEYS}
+
+    def with_scheme(self, dtype: str, fp8_block: int = FP8_BLOCK) -> "StoreMeta":
+        """This store's metadata for another store dtype (convert); fp8_block as `--fp8-block`."""
+        return StoreMeta.from_dict({**self.to_dict(), "dtype": dtype,
+                                    "fp8_block": fp8_block_for(self.hidden_size, fp8_block) if is_fp8(dtype) else None})
+
+    @property
+    def scheme(self) -> str:
+        return describe_scheme(self.dtype, self.fp8_block, self.hidden_size)
 
 
 def stored_names(dtype: str) -> tuple[str, ...]:
@@ -112,12 +178,15 @@ def sample_checksum(tensors: dict[str, torch.Tensor], dtype: str = "bf16") -> st
     return sha256_bytes(*(tensors[n].contiguous().view(torch.uint8).numpy().tobytes() for n in stored_names(dtype)))
 
 
-def fp8_encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, L*H] -> (e4m3 codes [T, L*H], int8 exponents [T, L]) with x ~= code * 2**exp.
-    The exponent puts each token's and layer's absmax in (224, 448]; codes that would be e4m3
-    subnormals (below ~absmax / 2**14) are written as zero, so the decoder needs no special case."""
-    T = x.shape[0]
-    v = x.float().view(T, layers, x.shape[1] // layers)
+def fp8_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, W] -> (e4m3 codes [T, W], int8 exponents [T, W / block]) with x ~= code * 2**exp, one
+    exponent per `block` consecutive values of a row (block divides W).  The exponent puts each
+    block's absmax in (224, 448]; codes that would be e4m3 subnormals (below ~absmax / 2**14) are
+    written as zero, so the decoder needs no special case."""
+    T, W = x.shape
+    if W % block:
+        raise EaglenestError(f"fp8 block {block} does not divide the row width {W}")
+    v = x.float().view(T, W // block, block)
     amax = v.abs().amax(-1)
     exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp_(-119, 119).nan_to_num_(0.0)  # log2(0) = -inf -> -119
     y = (v * torch.exp2(-exp)[:, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # exact: a power of two
@@ -127,11 +196,11 @@ def fp8_encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
-    """(e4m3 codes [T, L*H], int8 exponents [T, L]) -> bf16 [T, L*H], exactly code * 2**exp.
-    Bit arithmetic on int16: bf16 = sign | (e4m3 exponent+mantissa << 4) + (120 + exp) << 7, with
-    +-0 kept zero; a few rows at a time so the temporaries stay in cache.  Several times faster on
+    """(e4m3 codes [T, W], int8 exponents [T, W / block]) -> bf16 [T, W], exactly code * 2**exp; the
+    block is read off the shapes (any scheme: one block per layer or finer ones).  Bit arithmetic on
+    int16: bf16 = sign | (e4m3 exponent+mantissa << 4) + (120 + exp) << 7, with +-0 kept zero; a few rows at a time so the temporaries stay in cache.  Several times faster on
     a CPU core than torch's own fp8 -> bf16 cast, which would be a loader worker's whole budget."""
-    T, L = exp.shape
+    T, L = exp.shape  # L: blocks per row
     c = codes.contiguous().view(torch.int8).numpy().reshape(T, L, codes.shape[1] // L)  # int8: the sign bit sign-extends
     off = ((120 + exp.numpy().astype(np.int16)) << 7)[:, :, None]
     out = np.empty(c.shape, dtype=np.int16)
@@ -152,16 +221,17 @@ def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.reshape(codes.shape)).view(torch.bfloat16)
 
 
-def encode_sample(t: dict[str, torch.Tensor], dtype: str, aux_layers: int | None = None) -> dict[str, torch.Tensor]:
-    """A captured sample's tensors -> what the store keeps (stored_names(dtype)).  `aux_layers`:
-    the store's layer count (None: aux width / final width)."""
+def encode_sample(t: dict[str, torch.Tensor], dtype: str, fp8_block: int | None = None) -> dict[str, torch.Tensor]:
+    """A captured sample's tensors -> what the store keeps (stored_names(dtype)); fp8 states with
+    one scale per `fp8_block` values (the store's StoreMeta.fp8_block; blocks tile every layer, so
+    any number of aux layers encodes the same way)."""
     out = {"input_ids": t["input_ids"].to(torch.int32).cpu().contiguous(), "loss_mask": t["loss_mask"].to(torch.uint8).cpu().contiguous()}
-    if aux_layers is None:
-        aux_layers = t["aux_hidden_states"].shape[-1] // t["last_hidden_state"].shape[-1]
-    for (name, layers), enc in zip(state_layers(aux_layers).items(), STORE_DTYPES[dtype]):
+    for name, enc in zip(STATES, STORE_DTYPES[dtype]):
         x = t[name].cpu()
         if enc == "fp8":
-            out[name], out[f"{name}_exp"] = fp8_encode(x, layers)
+            if fp8_block is None:
+                raise EaglenestError("an fp8 store needs its fp8_block (StoreMeta.fp8_block)")
+            out[name], out[f"{name}_exp"] = fp8_encode(x, fp8_block)
         else:
             out[name] = x.to(DTYPES[enc]).contiguous()
     return out
@@ -175,9 +245,10 @@ def decode_sample(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def validate_sample(t: dict[str, torch.Tensor], meta: StoreMeta) -> str | None:
     """Return why a captured (or decoded) sample is unusable, or None."""
     T = t["input_ids"].shape[0]
+    H = meta.hidden_size
     layers = state_layers(meta.aux_layers)
-    expect = {"input_ids": (T,), "loss_mask": (T,), **{n: (T, k * meta.hidden_size) for n, k in layers.items()}}
-    expect.update({f"{n}_exp": (T, k) for n, k in layers.items() if f"{n}_exp" in t})
+    expect = {"input_ids": (T,), "loss_mask": (T,), **{n: (T, k * H) for n, k in layers.items()}}
+    expect.update({f"{n}_exp": (T, k * H // (meta.fp8_block or H)) for n, k in layers.items() if f"{n}_exp" in t})
     for name, shape in expect.items():
         if tuple(t[name].shape) != shape:
             return f"bad_shape: {name} {tuple(t[name].shape)} != {shape}"
@@ -203,10 +274,12 @@ class FeatureWriter:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         existing = self.root / "store.json"
         if existing.exists():
-            old = read_json(existing, "store metadata")
-            diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.to_dict().get(k)]
+            old, new = read_json(existing, "store metadata"), meta.identity()
+            if old.get("dtype") in STORE_DTYPES and is_fp8(old["dtype"]):
+                old.setdefault("fp8_block", old.get("hidden_size"))  # as from_dict reads it
+            diff = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
             if diff:
-                details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {meta.to_dict().get(k)!r}" for k in diff)
+                details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {new.get(k)!r}" for k in diff)
                 raise EaglenestError(f"{self.root} holds features from a different setup ({details}); use another --out")
         else:
             atomic_write_json(existing, meta.to_dict())
@@ -241,7 +314,7 @@ class FeatureWriter:
         tensors, rows = {}, []
         name = f"{len(self.entries):09d}-{secrets.token_hex(4)}.safetensors"
         for k, (sid, t) in enumerate(samples):
-            t = t if encoded else encode_sample(t, self.meta.dtype, self.meta.aux_layers)
+            t = t if encoded else encode_sample(t, self.meta.dtype, self.meta.fp8_block)
             for n in stored_names(self.meta.dtype):
                 tensors[f"{k}.{n}"] = t[n]
             rows.append({"id": sid, "shard": name, "key": str(k), "n_tokens": int(t["input_ids"].shape[0]),
@@ -386,18 +459,20 @@ class FeatureStore:
         return sum(f.stat().st_size for f in (self.root / "shards").glob("*.safetensors"))
 
 
-def bytes_per_token(hidden_size: int, dtype: str, aux_layers: int = 3) -> int:
+def bytes_per_token(hidden_size: int, dtype: str, fp8_block: int | None = None, aux_layers: int = 3) -> int:
     """Stored bytes per token: n*H aux (n = aux_layers; EAGLE-3's 3 by default) + H final (+ one
-    int8 exponent per layer in fp8), ids (int32), mask (uint8)."""
+    int8 exponent per fp8_block values in fp8; None = the default block, fp8_block_for(hidden_size)),
+    ids (int32), mask (uint8)."""
+    block = fp8_block or fp8_block_for(hidden_size)
     n = 4 + 1
     for layers, enc in zip(state_layers(aux_layers).values(), STORE_DTYPES[dtype]):
-        n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers if enc == "fp8" else 0)
+        n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers * hidden_size // block if enc == "fp8" else 0)
     return n
 
 
-def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, aux_layers: int = 3) -> int:
+def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, fp8_block: int | None = None, aux_layers: int = 3) -> int:
     """Disk needed for n_tokens (1 % for safetensors headers and the manifest)."""
-    return int(n_tokens * bytes_per_token(hidden_size, dtype, aux_layers) * 1.01) + 4096
+    return int(n_tokens * bytes_per_token(hidden_size, dtype, fp8_block, aux_layers) * 1.01) + 4096
 
 
 def free_bytes(path: Path) -> int:
