@@ -302,7 +302,7 @@ def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0) -> int:
         "rates": stage_rates(out, demo_s),
         "recipe": (report.get("demo") or {}).get("recipe"),
     }
-    runs = work / "runs"
+    runs = work_root() / "runs"
     runs.mkdir(exist_ok=True)
     (runs / f"{label}.json").write_text(json.dumps(rec, indent=2) + "\n")
     print(json.dumps({k: rec[k] for k in ("label", "commit", "stage_seconds", "total_seconds", "cpu_seconds",
