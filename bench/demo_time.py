@@ -14,7 +14,14 @@ writes WORK/runs/<label>.json (a full demo takes 25-35 min on 2 cores: one run p
     python bench/demo_time.py run main --label main
     python bench/demo_time.py collect old main [--name demo_time]   # -> bench/results/demo_time.json
 
-`--stages` stops the demo early (e.g. `--stages prepare,capture`): a cheaper probe of one stage.
+`--stages` stops the demo early (e.g. `--stages prepare,capture`).  `probe` runs ONE stage's command
+with the demo's settings on inputs that already exist (a prepared DATA_DIR, a feature store, a draft),
+so that two commits (or two settings) can be timed back to back, A B A B, on the same inputs:
+
+    python bench/demo_time.py probe main --stage train --steps 200 --features F --label tr-main-1
+    python bench/demo_time.py probe main --stage train ... --env ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
+    python bench/demo_time.py probe main --stage capture --data D --limit 200
+    python bench/demo_time.py probe main --stage eval --draft DRAFT --limit 16
 WORK defaults to $EAGLENEST_DEMO_TIME_WORK or runs/demo-time (ignored by git).
 """
 
@@ -313,27 +320,102 @@ def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0) -> int:
     return 0
 
 
+# --- probes: one stage's command at a commit -----------------------------------------------------
+DEMO_TRAIN = ["--ttt-steps", "3", "--draft-vocab", "8192", "--lr", "0.001", "--epochs", "2", "--batch-tokens", "1024",
+              "--eval-fraction", "0.05", "--dtype", "bf16"]  # the full preset's train flags (eaglenest/demo.py)
+DEMO_EVAL = ["--bench", "mtbench", "--steps", "3", "--topk", "1", "--temperature", "0", "--max-new-tokens", "128",
+             "--workers", "2"]
+
+
+def probe(args) -> int:
+    from eaglenest.models.fetch import fetch
+
+    work = work_root()
+    sha, src = checkout(args.rev, work)
+    label = args.label or f"probe-{args.stage}-{sha[:12]}"
+    model = str(fetch("smollm2"))
+    tmp = work / f"probe-{label}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if args.stage == "capture":
+        argv = ["capture", "--model", model, "--data", args.data, "--out", str(tmp / "features"), "--device", "cpu",
+                "--limit", str(args.limit)]
+    elif args.stage == "train":
+        argv = ["train", "--model", model, "--features", args.features, "--out", str(tmp / "run"), "--device", "cpu",
+                *DEMO_TRAIN, "--max-steps", str(args.steps), "--eval-every", str(args.steps)]
+    else:
+        argv = ["eval", "--model", model, "--draft", args.draft, "--out", str(tmp / "report.json"), "--device", "cpu",
+                *DEMO_EVAL, "--limit", str(args.limit), "--baseline-limit", str(args.limit)]
+    argv += args.flag
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
+    env = dict(os.environ, PYTHONPATH=str(src), PYTHONUNBUFFERED="1", **extra_env)
+    cmd = [sys.executable, "-m", "eaglenest", *argv]
+    t0 = time.perf_counter()
+    with open(work / f"{label}.log", "wb") as f:
+        p = subprocess.Popen(cmd, cwd=src, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            w = Watch(p.pid)
+            rc = p.wait()
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait()
+    watched = w.close()["start"]
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        print(f"[demo_time] probe exited with {rc}; log {work / (label + '.log')}", file=sys.stderr)
+        return 1
+    rec = {"kind": "probe", "label": label, "stage": args.stage, "rev": args.rev, "commit": sha, "env": extra_env,
+           "flags": args.flag, "command": " ".join(cmd), "note": args.note, "cpu": cpu_facts(),
+           "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_seconds": round(wall, 1), **watched}
+    if args.stage == "capture":
+        n = sum(json.loads(x)["n_tokens"] for x in (tmp / "features" / "manifest.jsonl").read_text().splitlines() if x.strip())
+        rec.update(tokens=n, tokens_per_s=round(n / wall, 1))
+    elif args.stage == "train":
+        rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [x for x in rows if "loss" in x]
+        rec.update(steps=len(steps), tokens=sum(x["tokens"] for x in steps),
+                   last_loss=steps[-1]["loss"], final_tokens_per_s=round(steps[-1]["tokens_per_s"], 1))
+    else:
+        rep = json.loads((tmp / "report.json").read_text())
+        rec.update({k: rep.get(k) for k in ("tau", "n_prompts", "generated_tokens", "spec_wall_s", "spec_tokens_per_s",
+                                            "baseline_wall_s", "baseline_tokens_per_s", "greedy_matches_baseline")})
+        rec["verification_rowwise"] = [x["example"] for x in ((rep.get("verification") or {}).get("rowwise") or {}).get("linears", [])]
+    runs = work / "runs"
+    runs.mkdir(exist_ok=True)
+    (runs / f"{label}.json").write_text(json.dumps(rec, indent=2) + "\n")
+    print(json.dumps({k: rec.get(k) for k in ("label", "stage", "env", "flags", "wall_seconds", "cpu_s", "other_cpu_s",
+                                              "tokens_per_s", "final_tokens_per_s", "steps", "tau")}))
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
 # --- collect -----------------------------------------------------------------------------------
 def collect(args) -> int:
     from bench.common import write_result
 
-    runs = [json.loads((work_root() / "runs" / f"{lab}.json").read_text()) for lab in args.labels]
-    models = {r["cpu"]["cpu_model"] for r in runs}
+    recs = [json.loads((work_root() / "runs" / f"{lab}.json").read_text()) for lab in args.labels]
+    models = {r["cpu"]["cpu_model"] for r in recs}
     if len(models) != 1:
         raise SystemExit(f"runs from different CPUs ({sorted(models)}): collect compares one machine's runs")
+    runs = [r for r in recs if r.get("kind") != "probe"]
+    probes = [r for r in recs if r.get("kind") == "probe"]
     for r in runs:
         if r.get("stopped_after") or r.get("recipe") is None:
             raise SystemExit(f"run {r['label']} stopped after {r.get('stopped_after')}: not a full demo")
-    base = runs[0]
     compare = {}
-    for r in runs[1:]:
-        compare[f"{r['label']}_vs_{base['label']}"] = {
-            st: {"seconds": [base["stage_seconds"][st], r["stage_seconds"][st]],
-                 "ratio": round(r["stage_seconds"][st] / base["stage_seconds"][st], 3) if base["stage_seconds"][st] else None}
-            for st in base["stage_seconds"] if st in r["stage_seconds"]}
-        compare[f"{r['label']}_vs_{base['label']}"]["same_recipe"] = r["recipe"] == base["recipe"]
-    result = {"what": "the full `eaglenest demo` (the `make demo` preset) per stage, one run per commit, on this machine",
-              "cpu": base["cpu"], "runs": runs, "compare": compare, "note": args.note}
+    if runs:
+        base = runs[0]
+        for r in runs[1:]:
+            c = {st: {"seconds": [base["stage_seconds"][st], r["stage_seconds"][st]],
+                      "ratio": round(r["stage_seconds"][st] / base["stage_seconds"][st], 3) if base["stage_seconds"][st] else None}
+                 for st in base["stage_seconds"] if st in r["stage_seconds"]}
+            c["same_recipe"] = r["recipe"] == base["recipe"]
+            compare[f"{r['label']}_vs_{base['label']}"] = c
+    result = {"what": "the full `eaglenest demo` (the `make demo` preset) per stage, one run per commit, and stage "
+                      "probes (one stage's command with the demo's settings), on this machine",
+              "cpu": recs[0]["cpu"], "runs": runs, "compare": compare, "probes": probes, "note": args.note}
     write_result(args.name, result)
     return 0
 
@@ -349,6 +431,20 @@ def main(argv=None) -> int:
     r.add_argument("--note", default="", help="free text recorded with the run")
     r.add_argument("--quick", action="store_true", help="the demo's --quick preset (a smoke test of this script)")
     r.set_defaults(func=run)
+    q = sub.add_parser("probe", help="one stage's command at one commit on existing inputs (-> WORK/runs/LABEL.json)")
+    q.add_argument("rev")
+    q.add_argument("--stage", required=True, choices=["capture", "train", "eval"])
+    q.add_argument("--label")
+    q.add_argument("--data", help="capture: a prepared DATA_DIR")
+    q.add_argument("--features", help="train: a feature store")
+    q.add_argument("--draft", help="eval: an exported draft")
+    q.add_argument("--limit", type=int, default=200, help="capture: samples; eval: prompts (all decoded both ways)")
+    q.add_argument("--steps", type=int, default=200, help="train: optimizer steps")
+    q.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the command")
+    q.add_argument("--flag", action="append", default=[], help="extra argument of the command (repeat)")
+    q.add_argument("--keep", action="store_true")
+    q.add_argument("--note", default="")
+    q.set_defaults(func=probe)
     c = sub.add_parser("collect", help="runs (by label) -> bench/results/NAME.json; the first is the base")
     c.add_argument("labels", nargs="+")
     c.add_argument("--name", default="demo_time")
