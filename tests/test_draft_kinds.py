@@ -38,7 +38,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 def tiny(kind: dict, seed=0, V=300, Vd=120, H=32, rope=None, dtype=torch.float64) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[2, 4, 5], target_num_layers=8,
-                      max_position_embeddings=64, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, **kind)
+                      max_position_embeddings=64, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+                      target_architecture="LlamaForCausalLM", **kind)
     torch.manual_seed(seed)
     d = Eagle3Draft(cfg, embed_weight=torch.randn(V, H))
     for p in d.parameters():
