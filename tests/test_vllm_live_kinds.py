@@ -45,9 +45,10 @@ def train_draft(model, data: Path, work: Path, flags: dict) -> Path:
 
     feats, run, draft = work / "features", work / "run", work / "draft"
     assert main(["capture", "--model", str(model), "--data", str(data), "--out", str(feats), "--dtype", "fp32"]) == 0
-    argv = ["train", "--model", str(model), "--features", str(feats), "--out", str(run), "--ttt-steps", "3", "--draft-vocab", "4096",
+    argv = ["train", "--model", str(model), "--features", str(feats), "--out", str(run), "--ttt-steps", "3",
             "--lr", "3e-3", "--batch-tokens", "2048", "--max-steps", str(flags.pop("steps")), "--eval-fraction", "0.1", "--device", "cpu",
             "--dtype", "fp32"]
+    flags.setdefault("draft_vocab", 4096)
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     assert main(argv) == 0
@@ -98,7 +99,8 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, smol_data, benc
     from family_helpers import tiny_deepseek
 
     target = tiny_deepseek(tmp_path / "dsv3", smollm2)
-    draft = train_draft(target, smol_data, tmp_path, {"steps": 150, "draft_attention": "mla"})
+    # the whole vocabulary: a random target's next tokens are not the data's frequent ones
+    draft = train_draft(target, smol_data, tmp_path, {"steps": 150, "draft_attention": "mla", "draft_vocab": 49152})
     raw = json.loads((draft / "config.json").read_text())
     assert raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and raw["kv_lora_rank"] + raw["qk_rope_head_dim"] == 576
     rv, rh = served_like_ours(target, draft, bench, tmp_path)
