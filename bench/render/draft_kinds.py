@@ -15,6 +15,13 @@ def _tau(e: dict) -> str:
     return f"**{e['tau']:.3f}** ({' / '.join(f'{a:.3f}' for a in e['accept_per_position'])})"
 
 
+def _delta(a: dict, t: str) -> str:
+    if "delta_tau_vs_k-eagle3" not in a:
+        return "(reference)"
+    d = a["delta_tau_vs_k-eagle3"][t]
+    return f"{d['delta']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+
 def _table(intro: str, header: list[str], rows: list[list[str]]) -> list[str]:
     return ["", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
@@ -25,10 +32,12 @@ def render(results: dict[str, dict]) -> str:
     lines = _table(
         f"SmolLM2-135M, the demo recipe (`{' '.join(s['recipe'])}`) on the shared demo store, one run per arm (same data, "
         f"steps, seed); tau on all {s['prompts']} MT-bench first turns, our decoder, 3 steps, topk 1, 128 new tokens "
-        "(acceptance per draft position in brackets):",
-        ["arm", "train flags", "held-out accuracy per TTT position", "tau, temperature 0", "tau, temperature 1", "train wall"],
-        [[name, " ".join(a["flags"]) or "(EAGLE-3)", _acc(a["held_out"]), _tau(a["eval"]["t0"]), _tau(a["eval"]["t1"]),
-          f"{a['timing']['wall_s'] / 60:.1f} min"] for name, a in s["arms"].items()])
+        "(acceptance per draft position in brackets; the difference to EAGLE-3 with a 95 % interval from resampling the "
+        "prompts, paired):",
+        ["arm", "train flags", "held-out accuracy per TTT position", "tau, temperature 0", "vs EAGLE-3", "tau, temperature 1",
+         "vs EAGLE-3", "train wall"],
+        [[name, " ".join(a["flags"]) or "(EAGLE-3)", _acc(a["held_out"]), _tau(a["eval"]["t0"]), _delta(a, "t0"), _tau(a["eval"]["t1"]),
+          _delta(a, "t1"), f"{a['timing']['wall_s'] / 60:.1f} min"] for name, a in s["arms"].items()])
     lines += _table(
         f"The tiny DeepSeek-V3 target ({t['target']}), its own features of the first {t['samples_captured']} demo "
         "conversations, the same recipe in fp32 and the whole vocabulary for both kinds:",
