@@ -115,12 +115,15 @@ def vllm(repo: str, out: str, jobs: list[tuple[str, str | None]]) -> None:
             inp = os.path.join(out, f"{i}.inputs.safetensors")
             if os.path.exists(inp):
                 x = load_file(inp)
-                layer = m.model.layers[0]
-                stub_attention(layer.self_attn, F)
+                stub_attention(m.model.layers[0].self_attn, F)
+                # what vLLM's loader does next (the CPU linears get their gemm here)
+                from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+                process_weights_after_loading(m, dmc, torch.device("cpu"))
                 with torch.no_grad():
                     h = m.combine_hidden_states(x["aux"])
                     hidden, aux = m.model(x["input_ids"], x["positions"], h, x["embeds"])
-                state.update({"out.fused": h.contiguous(), "out.hidden": hidden.contiguous(), "out.aux": aux.contiguous()})
+                state.update({"out.fused": h.clone(), "out.hidden": hidden.clone(), "out.aux": aux.clone()})  # aux may be hidden itself
         save_file(state, os.path.join(out, f"{i}.safetensors"))
         json.dump(info, open(os.path.join(out, f"{i}.json"), "w"))
 
