@@ -30,12 +30,16 @@ def diversify(model, std: float = 0.3, seed: int = 1):
     return model
 
 
-def random_draft(target, draft_vocab: int = 4096, seed: int = 0, always: list[int] | None = None) -> Eagle3Draft:
+# draft kinds the decoder tests run with: EAGLE-3, and EAGLE 3.1's flags on the MLA draft
+KINDS = {"eagle3": {}, "eagle31-mla": {"attention": "mla", "fc_norm": True, "norm_output": True}}
+
+
+def random_draft(target, draft_vocab: int = 4096, seed: int = 0, always: list[int] | None = None, **kind) -> Eagle3Draft:
     """A random-init draft that fits `target`: arbitrary token counts for the vocabulary, the
-    target's embeddings, canonical aux ids."""
+    target's embeddings, canonical aux ids; `kind`: DraftConfig.from_target's attention / fc_norm / norm_output."""
     cfg_t = target.config
     g = torch.Generator().manual_seed(seed)
-    cfg = DraftConfig.from_target(cfg_t, draft_vocab, default_layer_ids(cfg_t.num_hidden_layers))
+    cfg = DraftConfig.from_target(cfg_t, draft_vocab, default_layer_ids(cfg_t.num_hidden_layers), **kind)
     torch.manual_seed(seed)
     d = Eagle3Draft(cfg, embed_weight=target.get_input_embeddings().weight)
     counts = torch.randint(0, 1000, (cfg_t.vocab_size,), generator=g)

@@ -133,3 +133,36 @@ def test_torchspec_style_kimi_k25_draft_is_judged_per_engine(tmp_path):
     # without draft_vocab_size SGLang's loader has nothing to read
     raw2 = {k: v for k, v in raw.items() if k != "draft_vocab_size"}
     assert any(e.startswith("sglang: config.json: no draft_vocab_size") for e in judge(raw2, cfg, tensors, KIMI_K25).errors())
+
+
+def test_train_dry_run_prints_both_kinds_at_the_kimi_k25_shape(tmp_path, capsys):
+    """`train --dry-run` from config.json alone (meta device): the MLA draft next to the GQA one at
+    Kimi-K2.5's shape, both against the published Kimi-K2.5 drafts' configs: TorchSpec's Llama-layer
+    draft (engines.md section 4: 64 x 128, 64 KV heads, intermediate 12288) and the MLA draft config
+    `kimi_k25_eagle3_mla.json` (TorchSpec: Eagle3DeepseekV2ForCausalLM, 64 heads, q_lora_rank 1536,
+    kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, intermediate 18432), full vocabulary."""
+    from eaglenest.cli import main
+    from eaglenest.train.dryrun import draft_sizes
+
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(KIMI_K25))
+    assert main(["train", "--model", str(tmp_path / "kimi"), "--out", str(tmp_path / "run"), "--dry-run", "--draft-vocab", "163840",
+                 "--draft-attention", "mla"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+    gqa = DraftConfig.from_target(KIMI_K25, 163840, default_layer_ids(61))
+    mla = DraftConfig.from_target(KIMI_K25, 163840, default_layer_ids(61), attention="mla")
+    assert (mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            mla.intermediate_size, mla.hidden_size) == (64, 1536, 512, 128, 64, 128, 18432, 7168)
+    g, m = draft_sizes(gqa), draft_sizes(mla)
+    # by hand: fc 3H x H; Llama attention 3 x (8192 x 2H) + H x 8192; MLA q_a 1536 x 2H, q_b 64*192 x 1536,
+    # kv_a 576 x 2H, kv_b 64*256 x 512, o H x 64*128; MLP 3 x I x H; lm_head 163840 x H
+    H = 7168
+    assert g["parameters_by_part"]["attention"] == 3 * 8192 * 2 * H + H * 8192 == 411_041_792
+    assert m["parameters_by_part"]["attention"] == 1536 * 2 * H + 64 * 192 * 1536 + 576 * 2 * H + 64 * 256 * 512 + H * 8192 == 116_260_864
+    assert (g["parameters_by_part"]["mlp"], m["parameters_by_part"]["mlp"]) == (3 * 12288 * H, 3 * 18432 * H)
+    assert g["parameters"] == 2_003_857_408 and m["parameters"] == 1_841_199_104
+    assert (g["kv_bytes_per_token"], m["kv_bytes_per_token"]) == (2 * 64 * 128 * 2, (512 + 64) * 2) == (32768, 1152)
+    assert "parameters 2,003,857,408" in out and "parameters 1,841,199,104" in out
+    assert "decoding cache 32,768 bytes per token" in out and "decoding cache 1,152 bytes per token" in out
+    assert "MLA attention; --draft-attention):   <- this run" in out

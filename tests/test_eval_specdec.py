@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_kind import cpu_kind, require_exact_on_ci_cpus
-from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
+from helpers_eval import KINDS, load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
 
+from eaglenest.draft.model import cache_length
 from eaglenest.evaluate import exact
 from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
 
@@ -79,6 +80,12 @@ def draft(tiny):
     return random_draft(tiny, draft_vocab=4096)
 
 
+@pytest.fixture(scope="module", params=list(KINDS))
+def any_draft(request, tiny):
+    """Each draft kind: its own cache (K/V or MLA's latent) and feedback (h or norm(h)) in the decoder."""
+    return random_draft(tiny, draft_vocab=4096, **KINDS[request.param])
+
+
 @pytest.fixture(scope="module")
 def references(tiny):
     return [plain_greedy(tiny, p, N_NEW) for p in PROMPTS]
@@ -90,8 +97,8 @@ def test_reference_is_not_degenerate(references):
 
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (3, 7), (4, 12)])
-def test_greedy_equals_plain_with_random_draft(exact_tiny, tiny, draft, references, topk, ndt):
-    with SpecDecoder(tiny, draft, set(), steps=3, topk=topk, num_draft_tokens=ndt) as sd:
+def test_greedy_equals_plain_with_random_draft(exact_tiny, tiny, any_draft, references, topk, ndt):
+    with SpecDecoder(tiny, any_draft, set(), steps=3, topk=topk, num_draft_tokens=ndt) as sd:
         for p, ref in zip(PROMPTS, references):
             r = sd.generate(p, N_NEW)
             assert r.output_ids == ref
@@ -142,14 +149,16 @@ def test_stops_at_eos(exact_tiny, tiny, draft, references):
     assert PlainDecoder(tiny, {eos}).generate(p, N_NEW).output_ids == ref[:cut]
 
 
-def test_draft_cache_matches_full_recompute(tiny, draft):
+def test_draft_cache_matches_full_recompute(tiny, any_draft):
     """Step-0 entry t = (token x_{t+1}, f_t, position t), built incrementally from prefill and
-    verification forwards, equals one causal draft pass over the whole committed sequence."""
+    verification forwards, equals one causal draft pass over the whole committed sequence (the
+    MLA draft's cache is its latent: one [r + rope] vector per position, not per-head K/V)."""
+    draft = any_draft
     p = PROMPTS[3]
     with SpecDecoder(tiny, draft, set(), steps=3, topk=2, num_draft_tokens=6) as sd:
         sd.generate(p, N_NEW)
         st = sd.last_round
-        n = st.draft_k.shape[2]
+        n = cache_length(st.draft_cache)
         toks = st.tokens
         from eaglenest.evaluate.specdec import _new_cache
 
@@ -157,15 +166,20 @@ def test_draft_cache_matches_full_recompute(tiny, draft):
             _, aux = sd._target_forward(toks[:n], _new_cache(tiny))
             ids = torch.tensor([toks[1 : n + 1]])
             causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-            _, (k, v) = draft.step(ids, draft.fuse(aux[None]), torch.arange(n)[None], mask=causal)
+            _, want = draft.step(ids, draft.fuse(aux[None]), torch.arange(n)[None], mask=causal)
     assert n > len(p)
-    torch.testing.assert_close(st.draft_k, k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(st.draft_v, v, atol=1e-4, rtol=1e-4)
+    if draft.cfg.attention == "mla":
+        c = draft.cfg
+        assert len(st.draft_cache) == 1 and st.draft_cache[0].shape == (1, 1, n, c.kv_lora_rank + c.qk_rope_head_dim)
+    for got, ref in zip(st.draft_cache, want, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_tree_proposal_scores_match_chain_recompute(tiny, draft):
+def test_tree_proposal_scores_match_chain_recompute(tiny, any_draft):
     """Every tree node's cumulative draft log-prob equals feeding its path one token at a time
-    (checks the tree attention mask, positions and hidden hand-over)."""
+    (checks the tree attention mask, positions and hidden hand-over: the fed-back state is
+    feedback(h) = h, or norm(h) for a norm_output draft, as written out here)."""
+    draft = any_draft
     p = PROMPTS[0]
     K, S = 3, 3
     with SpecDecoder(tiny, draft, set(), steps=S, topk=K, num_draft_tokens=1 + K + (S - 1) * K * K) as sd:
@@ -174,20 +188,21 @@ def test_tree_proposal_scores_match_chain_recompute(tiny, draft):
         with torch.inference_mode():
             prop = sd._propose_tree(st)
             t2d_index = {int(t): i for i, t in enumerate(sd.draft_to_target.tolist())}
-            base = st.draft_k.shape[2] - 1
+            base = cache_length(st.draft_cache) - 1
             for i in range(len(prop.tokens)):
                 path = [i]
                 while prop.parents[path[-1]] >= 0:
                     path.append(prop.parents[path[-1]])
                 path.reverse()
-                h, k_all, v_all, score = st.h_last, st.draft_k, st.draft_v, 0.0
+                h, cache, score = st.h_last, st.draft_cache, 0.0
                 for j, node in enumerate(path):
                     lp = torch.log_softmax(draft.logits(h[0, -1]).float(), -1)
                     score += float(lp[t2d_index[prop.tokens[node]]])
                     if j < len(path) - 1:
                         ids = torch.tensor([[prop.tokens[node]]])
-                        h, (k, v) = draft.step(ids, h, torch.tensor([[base + j + 1]]), past_kv=(k_all, v_all))
-                        k_all, v_all = torch.cat([k_all, k], 2), torch.cat([v_all, v], 2)
+                        fed = draft.norm(h) if draft.cfg.norm_output else h
+                        h, new = draft.step(ids, fed, torch.tensor([[base + j + 1]]), past_kv=cache)
+                        cache = tuple(torch.cat([a, b], 2) for a, b in zip(cache, new))
                 assert abs(score - prop.scores[i]) < 1e-3, (i, score, prop.scores[i])
     assert len(prop.tokens) == K + (S - 1) * K * K
     # parents come first and depths are consistent

@@ -242,6 +242,9 @@ def test_a_run_with_checkpoints_is_not_overwritten_without_resume_or_overwrite(t
     (dict(ttt_steps=4), "train.ttt_steps"),
     (dict(draft_vocab=400), "train.draft_vocab: run 500, now 400"),
     (dict(max_len=32), "train.max_len"),
+    (dict(fc_norm=True), "train.fc_norm: run False, now True"),
+    (dict(norm_output=True), "train.norm_output: run False, now True"),
+    (dict(draft_attention="mla"), "train.draft_attention: run 'gqa', now 'mla'"),
 ])
 def test_resume_refuses_a_config_that_changes_data_order_or_model(tiny_llama_dir, tiny_store, tmp_path, change, named):
     run = tmp_path / "run"
@@ -252,6 +255,24 @@ def test_resume_refuses_a_config_that_changes_data_order_or_model(tiny_llama_dir
     # what does not change the order or the model may change: a longer run, another lr, eval cadence
     t = Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, max_steps=4, lr=1e-3, eval_every=3))
     assert t.step == 2
+
+
+def test_a_run_from_before_the_draft_kinds_resumes(tiny_llama_dir, tiny_store, tmp_path):
+    """A run directory written before fc_norm / norm_output / draft_attention existed (none of them in
+    its config.json) resumes as what it was, an EAGLE-3 GQA draft; asking it for fc_norm is refused."""
+    run = tmp_path / "run"
+    Trainer(cfg(tiny_llama_dir, tiny_store, run, max_steps=2, save_every=1)).fit()
+    rc = json.loads((run / "config.json").read_text())
+    new = ("fc_norm", "norm_output", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    for block in (rc["draft"], rc["identity"]["draft"]):
+        for k in new:
+            block.pop(k)
+    for k in ("fc_norm", "norm_output", "draft_attention"):
+        rc["train"].pop(k), rc["identity"]["train"].pop(k)
+    (run / "config.json").write_text(json.dumps(rc))
+    assert Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, max_steps=3)).step == 2
+    with pytest.raises(EaglenestError, match="draft.fc_norm: run False, now True"):
+        Trainer(cfg(tiny_llama_dir, tiny_store, run, resume=True, fc_norm=True))
 
 
 def test_resume_refuses_another_store(tiny_llama_dir, tiny_store, tmp_path):

@@ -1,7 +1,8 @@
 """Attention kernels of the draft, apart from the model that reads top to bottom (model.py).
 
 Shapes: grouped-query heads are kept as [B, kv, g, T, hd] queries against [B, kv, Tk, hd] keys,
-so K/V are never repeated per query head.
+so K/V are never repeated per query head.  Values may be narrower or wider than queries and keys
+([B, kv, Tk, vd]; MLA drafts: q/k nope + rope, v v_head_dim): every kernel's output is [.., vd].
 
   * `eager_attention`: scores materialized; any boolean mask; optional "diagonal" keys (query t
     sees key t of each): the reference, and the decoding path (KV cache + tree mask).
@@ -71,7 +72,7 @@ def chunk_rows(n_kv: int, g: int, T: int, budget: int) -> int:
 class _ChunkedCausalFn(torch.autograd.Function):
     """Causal GQA attention returning (out, lse), flash-style in plain torch.
 
-    q [B, kv, g, T, hd], k/v [B, kv, T, hd] -> out [B, kv, g, T, hd] (q's dtype), lse [B, kv, g, T]
+    q [B, kv, g, T, hd], k [B, kv, T, hd], v [B, kv, T, vd] -> out [B, kv, g, T, vd] (q's dtype), lse [B, kv, g, T]
     (fp32, natural log).  Forward and backward walk query chunks; a chunk's scores
     [B, kv, g*c, e] (e = chunk end) are the largest transient.  The backward takes a gradient
     for lse too (dS = P * (dP - D + dlse)), which the exact diagonal merge needs.
@@ -80,8 +81,9 @@ class _ChunkedCausalFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, rows: int):
         B, n_kv, g, T, hd = q.shape
+        vd = v.shape[-1]
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.empty_like(q)
+        out = q.new_empty(B, n_kv, g, T, vd)
         lse = torch.empty(B, n_kv, g, T, dtype=acc, device=q.device)
         for s in range(0, T, rows):
             e = min(T, s + rows)
@@ -93,7 +95,7 @@ class _ChunkedCausalFn(torch.autograd.Function):
             sc5[..., s:e].masked_fill_(tri, float("-inf"))
             l = torch.logsumexp(sc, dim=-1, keepdim=True)
             p = sc.sub_(l).exp_().to(v.dtype)
-            out[:, :, :, s:e] = torch.matmul(p, v[:, :, :e]).view(B, n_kv, g, c, hd)
+            out[:, :, :, s:e] = torch.matmul(p, v[:, :, :e]).view(B, n_kv, g, c, vd)
             lse[:, :, :, s:e] = l.view(B, n_kv, g, c)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.rows = scale, rows
@@ -104,6 +106,7 @@ class _ChunkedCausalFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
         B, n_kv, g, T, hd = q.shape
+        vd = v.shape[-1]
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -114,8 +117,8 @@ class _ChunkedCausalFn(torch.autograd.Function):
             e = min(T, s + rows)
             c = e - s
             qc = q[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            doc = dout[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            D = (doc.to(acc) * out[:, :, :, s:e].reshape(B, n_kv, g * c, hd).to(acc)).sum(-1, keepdim=True)
+            doc = dout[:, :, :, s:e].reshape(B, n_kv, g * c, vd)
+            D = (doc.to(acc) * out[:, :, :, s:e].reshape(B, n_kv, g * c, vd).to(acc)).sum(-1, keepdim=True)
             if dlse is not None:
                 D = D - dlse[:, :, :, s:e].reshape(B, n_kv, g * c, 1).to(acc)
             sc = torch.matmul(qc, k[:, :, :e].transpose(-1, -2)).to(acc).mul_(scale)
@@ -132,7 +135,7 @@ class _ChunkedCausalFn(torch.autograd.Function):
 
 
 class ChunkedCausal:
-    """Causal kernel: q [B, kv, g, T, hd], k/v [B, kv, T, hd] -> (out, lse [B, kv, g, T] fp32)."""
+    """Causal kernel: q [B, kv, g, T, hd], k [B, kv, T, hd], v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32)."""
 
     name = "chunked"
 
@@ -223,7 +226,7 @@ class FlexCausal:
         else:
             out, lse = fn(q, k, v, return_lse=True, **kw)
         out, lse = out[:, :, :T], lse[:, :, :T]
-        return out.reshape(B, n_kv, g, T, hd), lse.reshape(B, n_kv, g, T).float()
+        return out.reshape(B, n_kv, g, T, out.shape[-1]), lse.reshape(B, n_kv, g, T).float()
 
 
 def causal_kernel(impl: str, device=None):
@@ -238,7 +241,7 @@ def causal_kernel(impl: str, device=None):
 
 
 def causal_attention_lse(q, k, v, scale: float, impl: str, chunk_elems: int | None = None):
-    """q [B, kv, g, T, hd], k/v [B, kv, T, hd] -> (out [B, kv, g, T, hd], lse [B, kv, g, T] fp32)."""
+    """q [B, kv, g, T, hd], k [B, kv, T, hd], v [B, kv, T, vd] -> (out [B, kv, g, T, vd], lse [B, kv, g, T] fp32)."""
     if impl == "chunked":
         return ChunkedCausal(chunk_elems)(q, k, v, scale)
     kern = causal_kernel(impl)

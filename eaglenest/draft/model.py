@@ -4,21 +4,30 @@ A draft step at sequence index t takes two inputs:
   * the embedding of a token (frozen, the target's own `embed_tokens`), and
   * a hidden state: on the first step `fc([a_low ; a_mid ; a_high])`, the target's three aux
     states fused 3H -> H; on later steps the draft's own previous output (pre-norm).
-It runs ONE Llama decoder layer whose attention projections read `[norm(embed) ; norm(hidden)]`
+It runs ONE decoder layer whose attention projections read `[norm(embed) ; norm(hidden)]`
 (2H wide), and predicts the next token over a reduced draft vocabulary:
 
     x   = cat(input_layernorm(embed), hidden_norm(hidden))          [.., 2H]
-    h1  = hidden + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
-    h2  = h1 + mlp(post_attention_layernorm(h1))                    (fed back as next `hidden`)
+    h1  = hidden + o_proj(attention(x))
+    h2  = h1 + mlp(post_attention_layernorm(h1))
     logits = lm_head(norm(h2))                                      [.., draft_vocab]
+    next hidden = feedback(h2) = h2, or norm(h2) with `norm_output`
+
+The kinds both engines serve are flags of this one layout (DraftConfig):
+  * `attention`: "gqa" = Llama attention (q/k/v/o_proj; `LlamaForCausalLMEagle3`), "mla" =
+    DeepSeek-V2 multi-latent attention (draft/mla.py; `Eagle3DeepseekV2ForCausalLM`), whose
+    decoding cache is the small latent (compressed KV + rope key per position);
+  * EAGLE 3.1: `fc_norm` = one RMSNorm per aux state before `fc` (in `fuse`), `norm_output` = the
+    post-norm state is what the next draft step reads (`feedback`, used by training and decoding).
 
 Draft id i means target id `i + d2t[i]`; `t2d[v]` says whether target id v is in the draft
 vocabulary.  The parameter names are exactly those of the portable checkpoint
-(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`) that both SGLang and vLLM load;
+(`fc`, `fc_norm.*`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`) that both SGLang and vLLM load;
 `embed_tokens` is never exported (both engines use the target's).
 
-Attention has two paths, one per use (the kernels live in kernels.py):
-  * decoding, `Eagle3Draft.step(.., past_kv, mask)`: keys = cat(KV cache, new keys) under a
+Attention (either kind) has two paths, one per use (the kernels live in kernels.py):
+  * decoding, `Eagle3Draft.step(.., past_kv, mask)`: keys = the cache (the attention's own
+    per-position entries: (K, V) or MLA's latent; `cache_append`) + the new ones, under a
     boolean mask [.., Tq, Tk] (tree/chain ancestry; causal for a whole sequence);
   * training-time test, `Eagle3Draft.ttt_step(.., ctx_kv, diag_kv, kernel)`: step 0's keys
     causally, plus, at step j > 0, key t of every step 1..j at query t (the "diagonal": each step
@@ -59,16 +68,25 @@ class DraftConfig:
     eos_token_id: int | list[int] | None = None
     target_architecture: str | None = None  # the target's class: the engines' layer-id rules depend on it (export/layer_ids.py)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden): the speculators format's variant (vLLM only)
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per aux state before fc (weights fc_norm.{0,1,2}.weight)
+    norm_output: bool = False  # EAGLE 3.1: the next draft step reads norm(h2) instead of h2 (`feedback`)
+    attention: str = "gqa"  # "gqa" (Llama attention) or "mla" (DeepSeek-V2 latent attention, draft/mla.py)
+    q_lora_rank: int | None = None  # MLA sizes (None for gqa; q_lora_rank None = a plain q_proj)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
-    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None) -> "DraftConfig":
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None,
+                    attention: str = "gqa", fc_norm: bool = False, norm_output: bool = False) -> "DraftConfig":
         """The target's hidden size, vocabulary and rope (exactly as the target has it); the layer's
-        heads / head_dim / MLP width per target family, with `shape` overrides (draft/shape.py)."""
+        attention kind and sizes / MLP width per target family, with `shape` overrides (draft/shape.py)."""
         from eaglenest.draft.shape import draft_shape
         from eaglenest.models.target import target_facts
 
         f = target_facts(tcfg)
-        s = draft_shape(f, shape)
+        s = draft_shape(f, shape, attention)
         get = tcfg.get if isinstance(tcfg, dict) else (lambda k, d=None: getattr(tcfg, k, d))
         return cls(
             hidden_size=f.hidden_size,
@@ -88,13 +106,30 @@ class DraftConfig:
             bos_token_id=get("bos_token_id"),
             eos_token_id=get("eos_token_id"),
             target_architecture=f.architecture,
+            fc_norm=bool(fc_norm),
+            norm_output=bool(norm_output),
+            **s.attention_fields(),
         )
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary width: the whole head (gqa), or MLA's rope part of q and k."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Decoding cache per position: K and V of every KV head (gqa), or MLA's latent
+        (kv_lora_rank compressed KV + the qk_rope_head_dim rope key, shared by all heads)."""
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+        return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
+        """Unknown keys are dropped and missing optional ones default: run dirs and exports written
+        before a field existed (fc_norm, norm_output, attention, ...) load as what they were."""
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
@@ -112,24 +147,26 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE with the target's exact rope parameters (transformers computes inv_freq for every rope_type)."""
+    """RoPE with the target's exact rope parameters (transformers computes inv_freq for every
+    rope_type), over `cfg.rope_dim` (MLA rotates only the rope part of q and k)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        dim = cfg.rope_dim
         lcfg = LlamaConfig(
             hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
+            head_dim=dim,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters=dict(cfg.rope_parameters),
         )
         rope_type = cfg.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
             scale = 1.0
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](lcfg, None)
@@ -177,27 +214,43 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
 
     def forward(self, x, cos, sin, past_kv=None, mask=None):
-        """Decoding: x [B, T, 2H]; keys = cat(past_kv, own); mask [B or 1, T, Tk] bool (True = may
-        attend) or None (every key).  Returns (output, own (K, V))."""
+        """Decoding: x [B, T, 2H]; keys = cache `past_kv` + own; mask [B or 1, T, Tk] bool (True =
+        may attend) or None (every key).  Returns (output, own cache entries (K, V))."""
         qg, k, v = self._qkv(x, cos, sin)
-        keys = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2))
+        keys = cache_append(past_kv, (k, v))
         return self._out(eager_attention(qg, *keys, mask, (), self.scale)), (k, v)
 
     def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None):
-        """Training-time test: step 0 (ctx_kv None) attends causally to its own keys; step j > 0 to
-        step 0's keys `ctx_kv` causally and, at query t, to key t of each of `diag_kv` and of its own."""
+        """Training-time test (see `ttt_attention`).  Returns (output, own (K, V))."""
         qg, k, v = self._qkv(x, cos, sin)
-        T = qg.shape[3]
-        if ctx_kv is None:
-            keys, diag = (k, v), list(diag_kv)
-        else:
-            keys, diag = ctx_kv, [*diag_kv, (k, v)]
-        if kernel is None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]
-            o = eager_attention(qg, *keys, causal, diag, self.scale)
-        else:
-            o = merge_diagonal(*kernel(qg, *keys, self.scale), qg, diag, self.scale)
-        return self._out(o), (k, v)
+        return self._out(ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, self.scale)), (k, v)
+
+
+def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float):
+    """Training-time-test attention, shared by the attention kinds: step 0 (ctx_kv None) attends
+    causally to its own keys (k, v); step j > 0 to step 0's keys `ctx_kv` causally and, at query t,
+    to key t of each of `diag_kv` and of its own.  qg [B, kv, g, T, d_qk], k [B, kv, T, d_qk],
+    v [B, kv, T, d_v] (d_v may differ from d_qk: MLA)."""
+    T = qg.shape[3]
+    if ctx_kv is None:
+        keys, diag = (k, v), list(diag_kv)
+    else:
+        keys, diag = ctx_kv, [*diag_kv, (k, v)]
+    if kernel is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=qg.device).tril()[None]
+        return eager_attention(qg, *keys, causal, diag, scale)
+    return merge_diagonal(*kernel(qg, *keys, scale), qg, diag, scale)
+
+
+# --- the decoding cache: whatever the attention keeps per position, as tensors [B, heads, T, d] ---
+def cache_append(cache: tuple | None, new: tuple) -> tuple:
+    """A draft's decoding cache is a tuple of tensors with positions on dim 2 (gqa: (K, V);
+    MLA: (latent,)), so the decoder appends and counts without knowing the attention kind."""
+    return new if cache is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(cache, new))
+
+
+def cache_length(cache: tuple | None) -> int:
+    return 0 if cache is None else cache[0].shape[2]
 
 
 class MLP(nn.Module):
@@ -219,7 +272,14 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the incoming hidden
-        self.self_attn = Attention(cfg)
+        if cfg.attention == "mla":
+            from eaglenest.draft.mla import MLAAttention  # a sibling of Attention, same two entry points
+
+            self.self_attn = MLAAttention(cfg)
+        elif cfg.attention == "gqa":
+            self.self_attn = Attention(cfg)
+        else:
+            raise ValueError(f"draft attention must be gqa or mla (got {cfg.attention!r})")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
@@ -242,6 +302,8 @@ class Eagle3Draft(nn.Module):
         # frozen target embeddings; a buffer, so optimizers and exports never see it
         emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, H)
         self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        # EAGLE 3.1: each aux state RMS-normed on its own before fc (None: EAGLE-3)
+        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -255,12 +317,22 @@ class Eagle3Draft(nn.Module):
         return F.embedding(input_ids, self.embed_tokens)
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]."""
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]; with `fc_norm` each H-wide
+        chunk is RMS-normed by its own norm first (both engines' combine step)."""
+        x = aux_hidden_states.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads as `hidden`, from a step's output h2: h2 itself
+        (EAGLE-3), or norm(h2) with `norm_output` (EAGLE 3.1), as both engines feed it back.  The
+        one place this is decided: the TTT loop and the decoder both call it."""
+        return self.norm(h) if self.cfg.norm_output else h
 
     def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None):
-        """One decoding forward over the KV cache `past_kv` under `mask` (see Attention.forward).
-        Returns (pre-norm hidden to feed back, this step's (K, V))."""
+        """One decoding forward over the cache `past_kv` (a tuple, see `cache_append`) under `mask`
+        (see Attention.forward).  Returns (pre-norm output h2, this step's cache entries)."""
         cos, sin = self.rotary(position_ids)
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn(x, cos, sin, past_kv, mask))

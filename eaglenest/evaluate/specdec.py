@@ -6,12 +6,15 @@ Index bookkeeping (exactly how the draft was trained, see eaglenest/train/ttt.py
   and predicts x_{t+2}.  Invariant between rounds: the target's KV cache holds positions
   0..L-2 (x_{L-1}, the newest token, has not been fed yet) and the draft's KV cache holds the
   step-0 entries of indices 0..L-2 (x_{L-1} was their last input token).  So both caches have
-  L-1 entries, and the draft's newest prenorm output predicts x_L.
+  L-1 entries, and the draft's newest output h2 predicts x_L.  What a draft step caches per
+  position is the draft's concern (K and V, or MLA's latent: `draft.model.cache_append`), and what
+  it hands the next step is `draft.feedback(h2)` (h2, or norm(h2) with norm_output): the same
+  method the training loop uses.
 
 One round:
   1. draft: from that newest output, propose a chain (topk=1: steps S tokens d_1..d_S) or a
      tree (topk>1: SGLang's beam expansion, the best num_draft_tokens-1 nodes).  A node at depth
-     j is fed back to the draft at position (L-2)+j with the previous step's prenorm hidden,
+     j is fed back to the draft at position (L-2)+j with feedback(the previous step's output),
      attending to the whole draft cache plus its own ancestors of this round;
   2. target: one forward over [x_{L-1}, nodes...] with the KV cache (a 4-D ancestor mask for a
      tree), capturing the aux states with forward pre-hooks (no output_hidden_states);
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglenest import EaglenestError
+from eaglenest.draft.model import cache_append, cache_length
 from eaglenest.models.target import decoder_layers
 
 # ----------------------------------------------------------------------------------------------
@@ -229,9 +233,8 @@ class _Round:
 
     def __init__(self, prompt_ids: list[int]):
         self.tokens: list[int] = list(prompt_ids)  # committed x_0..x_{L-1}
-        self.draft_k: torch.Tensor | None = None  # draft KV cache, step-0 entries 0..L-2
-        self.draft_v: torch.Tensor | None = None
-        self.h_last: torch.Tensor | None = None  # [1, 1, H] prenorm output of entry L-2
+        self.draft_cache: tuple | None = None  # the draft's decoding cache, step-0 entries 0..L-2
+        self.h_last: torch.Tensor | None = None  # [1, 1, H] output h2 (pre-norm) of entry L-2
 
 
 class SpecDecoder:
@@ -321,17 +324,15 @@ class SpecDecoder:
     def _draft_extend(self, st: _Round, next_tokens: list[int], feats: torch.Tensor) -> None:
         """Add step-0 entries for the newly committed indices: entry t takes x_{t+1} and f_t."""
         d = self.draft
-        n_old = 0 if st.draft_k is None else st.draft_k.shape[2]
+        n_old = cache_length(st.draft_cache)
         m = len(next_tokens)
         ids = torch.tensor([next_tokens], device=self.device)
         pos = torch.arange(n_old, n_old + m, device=self.device)[None]
         mask = None
         if m > 1:  # causal among the new entries, everything old visible
             mask = torch.ones(m, n_old + m, dtype=torch.bool, device=self.device).tril(n_old)[None]
-        past = None if st.draft_k is None else (st.draft_k, st.draft_v)
-        h, (k, v) = d.step(ids, d.fuse(feats[None]), pos, past_kv=past, mask=mask)
-        st.draft_k = k if st.draft_k is None else torch.cat([st.draft_k, k], dim=2)
-        st.draft_v = v if st.draft_v is None else torch.cat([st.draft_v, v], dim=2)
+        h, new = d.step(ids, d.fuse(feats[None]), pos, past_kv=st.draft_cache, mask=mask)
+        st.draft_cache = cache_append(st.draft_cache, new)
         st.h_last = h[:, -1:]
 
     def _draft_logprobs(self, h: torch.Tensor) -> torch.Tensor:
@@ -351,8 +352,8 @@ class SpecDecoder:
 
     def _propose_chain(self, st: _Round) -> Proposal:
         d, S = self.draft, self.steps
-        base = st.draft_k.shape[2] - 1  # index (and position) of the newest step-0 entry
-        k_all, v_all, h = st.draft_k, st.draft_v, st.h_last
+        base = cache_length(st.draft_cache) - 1  # index (and position) of the newest step-0 entry
+        cache, h = st.draft_cache, st.h_last
         tokens, qs = [], []
         for j in range(S):
             logits = d.logits(h[0, -1]).float()
@@ -366,11 +367,11 @@ class SpecDecoder:
             tokens.append(tok)
             if j == S - 1:
                 break
-            # feed the drafted token back: position base+j+1, previous prenorm hidden
+            # feed the drafted token back: position base+j+1, the previous step's feedback state
             ids = torch.tensor([[tok]], device=self.device)
             pos = torch.tensor([[base + j + 1]], device=self.device)
-            h, (k, v) = d.step(ids, h, pos, past_kv=(k_all, v_all))
-            k_all, v_all = torch.cat([k_all, k], dim=2), torch.cat([v_all, v], dim=2)
+            h, new = d.step(ids, d.feedback(h), pos, past_kv=cache)
+            cache = cache_append(cache, new)
         q = self._q_target(torch.stack(qs)) if qs else None
         return Proposal(tokens, list(range(-1, S - 1)), list(range(1, S + 1)), q)
 
@@ -379,7 +380,7 @@ class SpecDecoder:
         score nodes by cumulative draft log-prob, keep the best num_draft_tokens-1."""
         d, K, S = self.draft, self.topk, self.steps
         dev = self.device
-        Lc = st.draft_k.shape[2]
+        Lc = cache_length(st.draft_cache)
         base = Lc - 1
         lp, di = self._draft_logprobs(st.h_last[0, -1]).topk(K)
         # all nodes ever created (creation order puts parents first)
@@ -388,9 +389,9 @@ class SpecDecoder:
         depths: list[int] = [1] * K
         scores: list[torch.Tensor] = [lp]
         frontier = list(range(K))  # nodes to feed back this step
-        hidden = st.h_last.expand(1, K, -1)  # each frontier node's parent output
-        slot: dict[int, int] = {}  # node -> its KV slot among this round's draft entries
-        k_all, v_all = st.draft_k, st.draft_v
+        hidden = d.feedback(st.h_last).expand(1, K, -1)  # what each frontier node's parent hands on
+        slot: dict[int, int] = {}  # node -> its cache slot among this round's draft entries
+        cache = st.draft_cache
         n_slots = 0
         for step in range(1, S):
             # ancestor mask: all committed entries, plus each node's fed-back ancestors and itself
@@ -404,8 +405,8 @@ class SpecDecoder:
                 mask[r, Lc + n_slots + r] = True
             ids = torch.tensor([[tokens[n] for n in frontier]], device=dev)
             pos = torch.full((1, K), base + step, device=dev)
-            h, (k, v) = d.step(ids, hidden, pos, past_kv=(k_all, v_all), mask=mask[None])
-            k_all, v_all = torch.cat([k_all, k], dim=2), torch.cat([v_all, v], dim=2)
+            h, new = d.step(ids, hidden, pos, past_kv=cache, mask=mask[None])
+            cache = cache_append(cache, new)
             for r, node in enumerate(frontier):
                 slot[node] = n_slots + r
             n_slots += K
@@ -422,7 +423,7 @@ class SpecDecoder:
                 break
             best = cand.topk(K).indices.tolist()
             frontier = [first + b for b in best]
-            hidden = h[:, [b // K for b in best]]
+            hidden = d.feedback(h)[:, [b // K for b in best]]
         # keep the best n-1 nodes; a stable sort on -score keeps each parent ahead of its
         # children (a child's score can never exceed its parent's: log-probs are <= 0)
         all_scores = torch.cat(scores)

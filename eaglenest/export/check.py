@@ -8,6 +8,11 @@ target's in SGLang but used as the draft's own by vLLM when it differs from the 
 problem is one line naming the field or tensor, prefixed by the consumers it affects; the layers
 each engine will capture are computed from the target class's rule (export/layer_ids.py) and
 compared with the layers the draft was trained on.
+
+Draft kinds: the attention (gqa: `LlamaForCausalLMEagle3`; mla: `Eagle3DeepseekV2ForCausalLM`) and
+EAGLE 3.1's `fc_norm` / `norm_output`, judged as the engines read them (top-level config keys) and
+against the weights present: a flag without its weights, weights without their flag, a flag in a
+place no engine reads, or (our drafts) a served flag that differs from the trained one is refused.
 """
 
 from __future__ import annotations
@@ -18,15 +23,31 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.draft.vocab import check_vocab
-from eaglenest.export.format import UNSUPPORTED_FLAGS, expected_tensors, flat_config, read_draft_config, read_draft_tensors
+from eaglenest.export.format import (
+    KINDS,
+    MLA_ARCHITECTURES,
+    UNSUPPORTED_FLAGS,
+    expected_tensors,
+    flat_config,
+    read_draft_config,
+    read_draft_tensors,
+)
 from eaglenest.export.layer_ids import ENGINES, engine_capture, rule_text, trained_layers
 
 CONSUMERS = (*ENGINES, "hf")
-ARCHITECTURES = {  # draft architectures each engine's registry resolves (llama_eagle3.py in both)
-    "sglang": {"LlamaForCausalLMEagle3"},
-    "vllm": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
-    "hf": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+ARCHITECTURES = {  # draft architectures each engine's registry resolves, per attention kind
+    "gqa": {  # llama_eagle3.py in both
+        "sglang": {"LlamaForCausalLMEagle3"},
+        "vllm": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+        "hf": {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"},
+    },
+    "mla": {  # SGLang kimi_k25_eagle3.py EntryClass; vLLM registry.py -> deepseek_eagle3.py
+        "sglang": {"Eagle3DeepseekV2ForCausalLM"},
+        "vllm": set(MLA_ARCHITECTURES),
+        "hf": set(MLA_ARCHITECTURES),
+    },
 }
+KIND_FLAGS = ("fc_norm", "norm_output", "attention")  # what a served draft must share with the trained one
 
 
 class Report:
@@ -82,11 +103,10 @@ def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] |
             r.error(f"transformer_layer_config.model_type {layer!r}: eaglenest's decoder is a Llama layer", ["hf"])
     else:
         for c in CONSUMERS:
-            if arch not in ARCHITECTURES[c]:
-                r.error(f"config.json: architectures {raw.get('architectures')!r}: not a draft class this consumer loads "
-                        f"(expected {' or '.join(sorted(ARCHITECTURES[c]))})", [c])
-        if raw.get("model_type") != "llama":
-            r.error(f"config.json: model_type is {raw.get('model_type')!r}, expected 'llama'")
+            if arch not in ARCHITECTURES[cfg.attention][c]:
+                r.error(f"config.json: architectures {raw.get('architectures')!r}: not a {cfg.attention} draft class this consumer "
+                        f"loads (expected {' or '.join(sorted(ARCHITECTURES[cfg.attention][c]))})", [c])
+        _judge_model_type(r, raw.get("model_type"), cfg.attention)
     if flat.get("num_hidden_layers", 1) != 1:
         r.error(f"config.json: num_hidden_layers is {flat.get('num_hidden_layers')}: eaglenest checks and evaluates one-layer drafts")
     if flat.get("tie_word_embeddings"):
@@ -102,8 +122,9 @@ def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] |
     for k in UNSUPPORTED_FLAGS:
         if flat.get(k):
             r.error(f"{k} is set: eaglenest's decoder does not implement it (the engines do)", ["hf"])
-            if k == "use_aux_norm":
-                r.error("use_aux_norm is SGLang's spelling of fc_norm: vLLM 0.32 ignores it", ["vllm"])
+    _judge_kind_flags(r, raw, flat, cfg)
+    if cfg.attention == "mla":
+        _judge_mla(r, cfg)
 
     if tensors is not None:
         _judge_tensors(r, cfg, tensors)
@@ -112,11 +133,78 @@ def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] |
     return r
 
 
+def _judge_model_type(r: Report, model_type, attention: str) -> None:
+    want = KINDS[attention]["model_type"]
+    if model_type == want:
+        return
+    if attention == "mla" and model_type in ("deepseek_v3", "deepseek_v32", "kimi_k2"):
+        r.error(f"config.json: model_type {model_type!r}: vLLM 0.32 loads it as DeepseekV3Config, whose drafts "
+                "SpeculativeConfig.hf_config_override turns into its DeepSeek MTP model (config/speculative.py); use 'deepseek_v2'", ["vllm"])
+        if model_type == "kimi_k2":
+            r.error("config.json: model_type 'kimi_k2' has no config class in transformers or SGLang 0.5.23 (remote code only)",
+                    ["sglang", "hf"])
+        return
+    r.error(f"config.json: model_type is {model_type!r}, expected {want!r} for a {attention} draft")
+
+
+def _judge_kind_flags(r: Report, raw: dict, flat: dict, cfg) -> None:
+    """EAGLE 3.1's flags where the engines read them (top-level config keys; SGLang also takes
+    `use_aux_norm` for fc_norm, vLLM does not), and, for our own drafts, against what was trained."""
+    if flat.get("use_aux_norm") and not flat.get("fc_norm"):
+        r.error("use_aux_norm is SGLang's spelling of fc_norm: vLLM 0.32 ignores it and would serve the draft without its "
+                "aux norms (write fc_norm: true)", ["vllm"])
+    eagle = raw.get("eagle_config") or {}
+    for k in ("fc_norm", "norm_output"):
+        if k in eagle and bool(eagle[k]) != bool(flat.get(k)):
+            r.error(f"config.json: eagle_config.{k} is {eagle[k]!r} but the top-level {k} is {flat.get(k)!r}: both engines "
+                    f"read only the top-level key, so the draft would be served with {k} {bool(flat.get(k))}")
+    trained = (raw.get("eaglenest") or {}).get("draft_config")
+    if trained is None:
+        return
+    served = {"fc_norm": bool(flat.get("fc_norm") or flat.get("use_aux_norm")), "norm_output": bool(flat.get("norm_output")),
+              "attention": "mla" if (raw.get("architectures") or [None])[0] in MLA_ARCHITECTURES else "gqa"}
+    for k in KIND_FLAGS:
+        was = trained.get(k, {"attention": "gqa"}.get(k, False))
+        if served[k] != was:
+            r.error(f"config.json: the engines would serve {k} = {served[k]!r}, the draft was trained with {k} = {was!r} "
+                    "(eaglenest.draft_config): its states would not be the ones it learned from")
+
+
+def _judge_mla(r: Report, cfg) -> None:
+    rope_type = dict(cfg.rope_parameters).get("rope_type", "default")
+    if rope_type not in ("default", "yarn"):
+        r.error(f"rope_type {rope_type!r}: both engines' MLA layers apply DeepSeek's YaRN to any scaled rope "
+                "(vLLM deepseek_v2.py, SGLang deepseek_v2.py DeepseekV2AttentionMLA), not this one", ENGINES)
+    if not cfg.q_lora_rank:
+        r.error("an MLA draft without q_lora_rank: SGLang 0.5.23's Eagle3MLADecoderLayer requires one", ["sglang"])
+    if cfg.kv_lora_rank + cfg.qk_rope_head_dim != 576:
+        r.notes.append(f"MLA latent {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}: vLLM 0.32's CPU MLA kernel takes only 512 + 64 "
+                       "(GPU backends are not limited so)")
+
+
 def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
     exp = expected_tensors(cfg)
-    for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"}):
+    said = set()  # tensors a summary line below already accounts for
+    norms = {k for k in tensors if k.startswith("fc_norm.")}
+    if norms and not cfg.fc_norm:
+        r.error(f"model.safetensors: {', '.join(sorted(norms))} but the config's fc_norm is false: SGLang would skip them "
+                "silently and vLLM refuses them (set fc_norm: true, as the draft was trained)")
+        said |= norms
+    if cfg.fc_norm and not norms:
+        r.error("config.json: fc_norm is true but model.safetensors has no fc_norm.* weights: an engine would serve "
+                "randomly initialized aux norms or refuse the file")
+        said |= {k for k in exp if k.startswith("fc_norm.")}
+    llama_attn = {f"midlayer.self_attn.{p}_proj.weight" for p in "kv"} & set(tensors)
+    mla_attn = {k for k in tensors if k.startswith("midlayer.self_attn.kv_")}
+    if cfg.attention == "mla" and llama_attn and not mla_attn:
+        r.error("config.json describes an MLA draft but model.safetensors holds Llama attention (k_proj/v_proj), no MLA weights")
+    if cfg.attention == "gqa" and mla_attn and not llama_attn:
+        r.error("config.json describes a Llama-attention draft but model.safetensors holds MLA attention weights (kv_a_proj_with_mqa, ...)")
+    for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"} - said):
         r.error(f"model.safetensors: unexpected tensor {k}")
     for k, (shape, dtype) in exp.items():
+        if k in said:
+            continue
         if k not in tensors:
             r.error(f"model.safetensors: missing {k}" + (" (served without it, acceptance collapses to 1.0)" if k == "lm_head.weight" else ""))
             continue

@@ -3,8 +3,20 @@ reading drafts written by other trainers.
 
 DRAFT_DIR/config.json + DRAFT_DIR/model.safetensors, keys exactly:
   fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
-  midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
-  norm.weight, lm_head.weight, d2t (int64), t2d (bool)  -- and never embed_tokens.
+  midlayer.self_attn.* (below), midlayer.mlp.{gate,up,down}_proj.weight,
+  norm.weight, lm_head.weight, d2t (int64), t2d (bool)  -- and never embed_tokens;
+  EAGLE 3.1 `fc_norm`: fc_norm.{0,1,2}.weight.
+Per attention kind (DraftConfig.attention; `KINDS`):
+  gqa: `LlamaForCausalLMEagle3`, model_type llama, self_attn.{q,k,v,o}_proj;
+  mla: `Eagle3DeepseekV2ForCausalLM`, model_type deepseek_v2, DeepSeek's unfused names
+       self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+       kv_b_proj, o_proj}: vLLM 0.32 (deepseek_eagle3.py hf_to_vllm_mapper) stacks q_a_proj +
+       kv_a_proj_with_mqa into fused_qkv_a_proj, SGLang 0.5.23 (kimi_k25_eagle3.py load_weights)
+       concatenates them into fused_qkv_a_proj_with_mqa; both load kv_b_proj whole and split it
+       after loading (vLLM's MLA layer; SGLang's post_load_weights: w_kc / w_vc).  Not
+       deepseek_v3: vLLM's SpeculativeConfig.hf_config_override turns every deepseek_v3 draft
+       config into its DeepSeek MTP model.
+`fc_norm` and `norm_output` are written top-level, where both engines read them.
 d2t/t2d only with a reduced draft vocabulary: vLLM 0.32 has no parameter for a d2t when the draft
 vocabulary is the target's (llama_eagle3.py `draft_id_to_target_id = None`) and refuses the file.
 
@@ -28,25 +40,30 @@ from safetensors.torch import save_file
 from eaglenest import EaglenestError
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.export.layer_ids import ENGINES, config_keys, trained_layers
-from eaglenest.models.target import normalized_rope
+from eaglenest.models.target import MLA_FIELDS, normalized_rope
 from eaglenest.utils import atomic_write_json, read_json
 
 WEIGHT_DTYPE = torch.bfloat16
 
 
+# the engines' class and config type per attention kind (see the module docstring)
+KINDS = {
+    "gqa": {"architecture": "LlamaForCausalLMEagle3", "model_type": "llama"},
+    "mla": {"architecture": "Eagle3DeepseekV2ForCausalLM", "model_type": "deepseek_v2"},
+}
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")  # vLLM's registry; SGLang has the V2 name
+
+
 def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    H, I = cfg.hidden_size, cfg.intermediate_size
     w = WEIGHT_DTYPE
     return {
         "fc.weight": ((H, 3 * cfg.target_hidden_size), w),
+        **({f"fc_norm.{i}.weight": ((cfg.target_hidden_size,), w) for i in range(3)} if cfg.fc_norm else {}),
         "midlayer.input_layernorm.weight": ((H,), w),
         "midlayer.hidden_norm.weight": ((H,), w),
         "midlayer.post_attention_layernorm.weight": ((H,), w),
-        "midlayer.self_attn.q_proj.weight": ((q, 2 * H), w),
-        "midlayer.self_attn.k_proj.weight": ((kv, 2 * H), w),
-        "midlayer.self_attn.v_proj.weight": ((kv, 2 * H), w),
-        "midlayer.self_attn.o_proj.weight": ((H, q), w),
+        **{f"midlayer.self_attn.{k}": v for k, v in attention_tensors(cfg).items()},
         "midlayer.mlp.gate_proj.weight": ((I, H), w),
         "midlayer.mlp.up_proj.weight": ((I, H), w),
         "midlayer.mlp.down_proj.weight": ((H, I), w),
@@ -60,21 +77,42 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     }
 
 
+def attention_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The attention's tensors (names under midlayer.self_attn.) for the draft's kind."""
+    H, n, w = cfg.hidden_size, cfg.num_attention_heads, WEIGHT_DTYPE
+    if cfg.attention == "mla":
+        qd, r, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        q = ({"q_a_proj.weight": ((cfg.q_lora_rank, 2 * H), w), "q_a_layernorm.weight": ((cfg.q_lora_rank,), w),
+              "q_b_proj.weight": ((n * qd, cfg.q_lora_rank), w)} if cfg.q_lora_rank else {"q_proj.weight": ((n * qd, 2 * H), w)})
+        return {**q, "kv_a_proj_with_mqa.weight": ((r + rope, 2 * H), w), "kv_a_layernorm.weight": ((r,), w),
+                "kv_b_proj.weight": ((n * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), w),
+                "o_proj.weight": ((H, n * cfg.v_head_dim), w)}
+    q, kv = n * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"q_proj.weight": ((q, 2 * H), w), "k_proj.weight": ((kv, 2 * H), w), "v_proj.weight": ((kv, 2 * H), w),
+            "o_proj.weight": ((H, q), w)}
+
+
 def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
     rope = dict(cfg.rope_parameters)
     rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
+    kind = KINDS[cfg.attention]
+    if cfg.attention == "mla":
+        attn = {"num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+                "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+                "rope_interleave": True}  # GPT-J pairs: vLLM always, SGLang unless this is false
+    else:
+        attn = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
     c = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
+        "architectures": [kind["architecture"]],
+        "model_type": kind["model_type"],
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **attn,
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
@@ -84,6 +122,8 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> d
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
@@ -150,12 +190,14 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     if missing:
         raise EaglenestError(f"{draft_dir}/config.json: missing {', '.join(missing)}: not an EAGLE-3 draft config")
     ids = f.get("eagle_aux_hidden_state_layer_ids")
+    arch = (raw.get("architectures") or [None])[0]
+    mla = arch in MLA_ARCHITECTURES or (arch is None and f.get("kv_lora_rank") is not None)
     cfg = DraftConfig(
         hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"],
         num_attention_heads=f["num_attention_heads"],
-        num_key_value_heads=f.get("num_key_value_heads") or f["num_attention_heads"],
-        head_dim=f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
+        num_key_value_heads=f["num_attention_heads"] if mla else (f.get("num_key_value_heads") or f["num_attention_heads"]),
+        head_dim=f.get("v_head_dim") if mla else (f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]),
         vocab_size=f["vocab_size"],
         draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
         target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
@@ -168,6 +210,11 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
         bos_token_id=f.get("bos_token_id"),
         eos_token_id=f.get("eos_token_id"),
         norm_before_residual=bool(f.get("norm_before_residual", False)),
+        # what the engines read: top-level flags (SGLang also takes use_aux_norm for fc_norm)
+        fc_norm=bool(f.get("fc_norm") or f.get("use_aux_norm")),
+        norm_output=bool(f.get("norm_output")),
+        attention="mla" if mla else "gqa",
+        **({k: f.get(k) for k in MLA_FIELDS} if mla else {}),
     )
     return raw, cfg
 
@@ -196,7 +243,7 @@ def read_draft_tensors(draft_dir: Path | str) -> dict[str, torch.Tensor]:
 
 # config flags of other trainers' layer variants that eaglenest's decoder does not implement
 # (both engines do; check-draft judges them per engine)
-UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "use_aux_norm")
+UNSUPPORTED_FLAGS = ("norm_before_fc",)
 
 
 def load_draft(
@@ -227,5 +274,6 @@ def load_draft(
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens", "rotary"))]
     if missing or unexpected:
-        raise EaglenestError(f"{draft_dir}: draft weights do not match the EAGLE-3 layout (missing {missing}, unexpected {unexpected})")
+        raise EaglenestError(f"{draft_dir}: draft weights do not match its config's layout ({cfg.attention} attention, "
+                             f"fc_norm {cfg.fc_norm}: missing {missing}, unexpected {unexpected})")
     return model.to(device=device, dtype=dtype).eval()

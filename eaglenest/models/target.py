@@ -135,6 +135,10 @@ class TargetFacts:
     rope_parameters: dict = field(default_factory=dict)
     logit_softcap: float | None = None
     config: dict = field(default_factory=dict, repr=False)  # the language model's config dict
+    mla: dict | None = None  # MLA targets: q_lora_rank (None: a plain q_proj), kv_lora_rank, qk_nope/qk_rope/v_head_dim
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def target_facts(model: str | Path | dict | Any) -> TargetFacts:
@@ -160,6 +164,7 @@ def target_facts(model: str | Path | dict | Any) -> TargetFacts:
         head_dim, kv = int(text.get("head_dim") or H // heads), int(text.get("num_key_value_heads") or heads)
     arch = (top.get("architectures") or [fam.architecture])[0]
     cap = text.get(fam.logit_softcap_key) if fam.logit_softcap_key else None
+    mla = {k: text.get(k) for k in MLA_FIELDS} if fam.attention == "mla" else None
     return TargetFacts(
         family=fam,
         model_type=mt,
@@ -176,6 +181,7 @@ def target_facts(model: str | Path | dict | Any) -> TargetFacts:
         rope_parameters=normalized_rope(text),
         logit_softcap=float(cap) if cap else None,
         config=text,
+        mla=mla,
     )
 
 

@@ -49,6 +49,11 @@ def _run(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if cfg.dry_run:
+        from eaglenest.train.dryrun import dry_run
+
+        print(dry_run(cfg))
+        return 0
     from eaglenest.train.trainer import Trainer
 
     res = Trainer(cfg, engine_args=args).fit()

@@ -75,8 +75,20 @@ class TrainConfig:
     loader_threads: int = option(1, "threads reading and collating prefetched micro-batches")
     report_to: str = option("jsonl", "metrics sink: jsonl (RUN_DIR/metrics.jsonl, always written) or tensorboard "
                             "(also RUN_DIR/tb; needs `pip install 'eaglenest[tensorboard]'`)", choices=["jsonl", "tensorboard"])
+    fc_norm: bool = option(False, "EAGLE 3.1: an RMSNorm on each aux state before fc (exported as fc_norm: true, weights "
+                           "fc_norm.{0,1,2}.weight; both engines serve it)")
+    norm_output: bool = option(False, "EAGLE 3.1: the next draft step reads the post-norm state norm(h) instead of h, in training "
+                               "and decoding (exported as norm_output: true; both engines serve it)")
+    draft_attention: str = option("gqa", "the draft layer's attention: gqa = Llama attention (LlamaForCausalLMEagle3), mla = "
+                                  "DeepSeek-V2 latent attention with a small latent KV cache (Eagle3DeepseekV2ForCausalLM; sizes "
+                                  "from an MLA target's config, --draft-*-rank/-dim to change), auto = the target family's kind",
+                                  choices=["gqa", "mla", "auto"])
+    dry_run: bool = option(False, "print the draft's shape, parameter count and decoding-cache bytes per token for each "
+                           "attention kind (gqa, mla; EAGLE 3.1 flags as given) from the target's config.json alone (no "
+                           "weights, no features; built on the meta device), then stop")
     draft_shape: dict = option(default_factory=dict, help="draft layer overrides by field (num_attention_heads, num_key_value_heads, "
-                               "head_dim, intermediate_size); the --draft-* flags set them", cli=False)
+                               "head_dim, intermediate_size, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                               "v_head_dim); the --draft-* flags set them", cli=False)
     extra: dict = option(default_factory=dict, help="free-form notes kept in RUN_DIR/config.json", cli=False)
 
     def validate(self) -> None:
@@ -89,7 +101,7 @@ class TrainConfig:
             raise EaglenestError(f"--prefetch must be >= 0 and --loader-threads >= 1 (got {self.prefetch}, {self.loader_threads})")
         if self.online and (not self.data or self.features):
             raise EaglenestError("--online trains from --data DATA_DIR (prepared ids) through --engine; it takes no --features")
-        if not self.online and (not self.features or self.data):
+        if not self.online and (not self.features or self.data) and not self.dry_run:
             raise EaglenestError("--features FEAT_DIR is required (or --online --data DATA_DIR to capture while training)")
         if self.online_timeout <= 0 or (self.max_failures is not None and self.max_failures < 0):
             raise EaglenestError(f"--online-timeout must be positive and --max-failures >= 0 (got {self.online_timeout}, {self.max_failures})")
@@ -105,7 +117,8 @@ class TrainConfig:
             raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
         for name, allowed in (("attn_impl", ATTN_CHOICES), ("recompute", ["auto", "none", "layer"]), ("init_head", ["target", "random"]),
                               ("fc_init", ["scaled", "high", "random"]), ("dtype", ["auto", "bf16", "fp32"]),
-                              ("report_to", ["jsonl", "tensorboard"]), ("capture_dtype", ["bf16", "fp32"])):
+                              ("report_to", ["jsonl", "tensorboard"]), ("capture_dtype", ["bf16", "fp32"]),
+                              ("draft_attention", ["gqa", "mla", "auto"])):
             if getattr(self, name) not in allowed:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} (got {getattr(self, name)})")
 
@@ -113,4 +126,5 @@ class TrainConfig:
 # A resumed run replays the data order and continues the model and optimizer of its checkpoint:
 # these options decide them, so `--resume` with a different value is refused (the model's shape
 # is checked through the draft config, the target and the store through their fingerprints).
-RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head")
+RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head",
+                "fc_norm", "norm_output", "draft_attention")

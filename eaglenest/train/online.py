@@ -144,7 +144,7 @@ class OnlineData:
         where = {s.id: i for i, s in zip(idx, samples)}
         return [(where[sid], t) for sid, t in good], bad
 
-    def fc_input_rms(self, batch_tokens: int, n_samples: int = FC_RMS_SAMPLES) -> tuple[torch.Tensor | None, list[Failure]]:
+    def fc_input_rms(self, batch_tokens: int, n_samples: int = FC_RMS_SAMPLES, normed: bool = False) -> tuple[torch.Tensor | None, list[Failure]]:
         """setup.fc_input_rms of the store a capture would write: its first samples, full length."""
         first = list(range(min(n_samples, len(self))))
         auxes, failed = [], []
@@ -152,7 +152,7 @@ class OnlineData:
             got, bad = self.capture([first[j] for j in b], None)
             auxes += [(i, t["aux_hidden_states"]) for i, t in got]
             failed += bad
-        return aux_rms(a for _, a in sorted(auxes, key=lambda x: x[0])), failed
+        return aux_rms((a for _, a in sorted(auxes, key=lambda x: x[0])), normed), failed
 
 
 class OnlineSource(Source):

@@ -29,16 +29,20 @@ def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
 FC_RMS_SAMPLES = 32  # the first samples (in store order) the fc init statistics come from
 
 
-def fc_input_rms(store: FeatureStore, n_samples: int = FC_RMS_SAMPLES) -> torch.Tensor | None:
-    """RMS of each aux feature over the first samples, the first token (attention sink) left out."""
-    return aux_rms(store[i]["aux_hidden_states"] for i in range(min(n_samples, len(store))))
+def fc_input_rms(store: FeatureStore, n_samples: int = FC_RMS_SAMPLES, normed: bool = False) -> torch.Tensor | None:
+    """RMS of each fc input feature over the first samples, the first token (attention sink) left out."""
+    return aux_rms((store[i]["aux_hidden_states"] for i in range(min(n_samples, len(store)))), normed)
 
 
-def aux_rms(auxes) -> torch.Tensor | None:
-    """RMS of each aux feature over these samples' aux states ([T, 3H] each), first tokens left out."""
+def aux_rms(auxes, normed: bool = False) -> torch.Tensor | None:
+    """RMS of each aux feature over these samples' aux states ([T, 3H] each), first tokens left out.
+    `normed`: of what fc reads behind EAGLE 3.1's fc_norm at its init (each H-wide aux state of a
+    token divided by its own RMS), so the scaled fc init whitens the inputs it will really get."""
     acc, n = None, 0
     for aux in auxes:
         a = aux[1:].float()
+        if normed:
+            a = torch.cat([c * c.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() for c in a.chunk(3, dim=-1)], dim=-1)
         acc = a.pow(2).sum(0) if acc is None else acc + a.pow(2).sum(0)
         n += a.shape[0]
     return (acc / n).sqrt().clamp_min(1e-3) if n else None

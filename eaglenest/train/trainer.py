@@ -142,9 +142,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         d2t, t2d = self._vocab(tcfg, resuming)
         rows = draft_ids_to_target(d2t)
-        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape)
+        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape, attention=cfg.draft_attention,
+                                       fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
         if self.rank == 0:
-            print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape), target_facts(tcfg)), file=sys.stderr)
+            print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
@@ -219,8 +220,8 @@ class Trainer:
 
     def _fc_rms(self, store) -> torch.Tensor | None:
         if not self.cfg.online:
-            return fc_input_rms(store)
-        rms, failed = store.fc_input_rms(self.cfg.batch_tokens)
+            return fc_input_rms(store, normed=self.cfg.fc_norm)
+        rms, failed = store.fc_input_rms(self.cfg.batch_tokens, normed=self.cfg.fc_norm)
         self.failures.record(failed, 0, self.rank, "setup")
         if rms is None and failed:  # not a silent random init: the engine is most likely unreachable
             raise EaglenestError(f"the engine delivered none of the first samples for the fc statistics "
@@ -280,6 +281,8 @@ class Trainer:
             return
         saved = read_json(p, "run config")
         ident = saved.get("identity") or {"train": {k: saved.get("train", {}).get(k) for k in RESUME_FIXED}, "draft": saved.get("draft", {})}
+        if ident.get("draft"):  # a run from before a draft field existed had its default (e.g. fc_norm false)
+            ident = {**ident, "draft": DraftConfig.from_dict(ident["draft"]).to_dict()}
         check_resume(ident, self.identity, self.out)
 
     def _coverage(self, t2d) -> float | None:

@@ -3,8 +3,9 @@
 Alignment (decided once, tested in tests/test_ttt.py against a slow reference):
   sequence x_0..x_{T-1}, aux features f_t, teacher distribution P_q from the target's final
   state at position q (it predicts x_{q+1}), loss mask m_q (1 on assistant tokens).
-  Step j at index t: input token x_{t+1+j} (ground truth), hidden = fuse(f_t) for j = 0 else the
-  draft's own step-(j-1) output at index t, rope position t+j; it predicts x_{t+2+j}, so
+  Step j at index t: input token x_{t+1+j} (ground truth), hidden = fuse(f_t) for j = 0 else
+  draft.feedback(the draft's own step-(j-1) output at index t) (the post-norm state with EAGLE 3.1's
+  norm_output, exactly what the decoder and the engines feed back), rope position t+j; it predicts x_{t+2+j}, so
   teacher = P_{t+1+j} and the loss mask is the *predicted* token's m_{t+2+j}
   (we align the mask with the label instead of leaving it unshifted as SpecForge does: it trains
   exactly the predictions whose answer is an assistant token, none of the prompt's).
@@ -202,7 +203,7 @@ def ttt_forward(
             correct = correct + ((draft.to_target_ids(am) == targ[trows]).float() * mf[rows]).sum()
         total = total + (step_decay**j) * loss_sum / denom[j].clamp_min(1.0)
         per_step.append(torch.stack([loss_sum.detach(), correct, m.sum(), w.sum()]).double())
-        hidden = h
+        hidden = draft.feedback(h)
     vals = torch.stack(per_step).tolist()
     stats = {k: [v[i] for v in vals] for i, k in enumerate(("loss_sum", "correct", "count", "loss_count"))}
     return total, stats
