@@ -5,7 +5,7 @@ One loss step = `Teacher.targets` of N final states (bf16 matmuls, as under `--d
 and, chunk by chunk as under `checkpoint_logits` (the CUDA path), the draft's logits
 (hidden [c, H] @ lm_head [Vd, H]^T, bf16) through the loss, forward and backward.  The draft's layer
 and the TTT loop are not part of it (they do not depend on the vocabulary).  The previous code is
-`git show main:eaglenest/train/ttt.py` at its CUDA chunk sizes (teacher 8192 rows, logits 4096).
+`git show b841df4:eaglenest/train/ttt.py` at its CUDA chunk sizes (teacher 8192 rows, logits 4096).
 
     python bench/loss_memory.py            # -> bench/results/loss_memory.json
 """
@@ -29,6 +29,7 @@ from eaglenest.train.memtrace import LiveTensorBytes  # noqa: E402
 from eaglenest.train.ttt import TEACHER_CHUNK_ELEMS, Teacher  # noqa: E402
 
 GiB = 1 << 30
+PREVIOUS = "b841df4"  # main before the loss module: the fp32-probability teacher and SoftCrossEntropy
 
 
 def inputs(N: int, V: int, Vd: int, H: int, device: str):
@@ -75,9 +76,7 @@ def old_step(N, V, Vd, H, device) -> dict:
     SoftCrossEntropy over 4096-row logits chunks."""
     from torch.utils.checkpoint import checkpoint
 
-    src = subprocess.run(["git", "show", "main:eaglenest/train/ttt.py"], cwd=HERE.parent, capture_output=True, text=True, check=True).stdout
-    if "class SoftCrossEntropy" not in src:
-        raise SystemExit("main's ttt.py no longer has the previous implementation")
+    src = subprocess.run(["git", "show", f"{PREVIOUS}:eaglenest/train/ttt.py"], cwd=HERE.parent, capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_ttt.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("old_ttt", path)

@@ -212,6 +212,7 @@ def run_eval(args) -> dict:
                            attention="vllm")  # vLLM's own attention backend for the platform
     finish_report(report, records, steps, mismatches)
     report["vllm_version"] = version
+    report["vllm_speculative_config"] = spec_cfg
     report["vllm_server_start_s"] = server_times
     report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"
     report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text
