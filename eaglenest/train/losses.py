@@ -48,6 +48,7 @@ from eaglenest.models.target import soft_cap
 KINDS = ("ce", "kl", "tv", "nla", "lk_hybrid")
 ALPHA_KINDS = ("tv", "nla", "lk_hybrid")  # need p, i.e. the teacher's full-vocabulary log-sum-exp
 LOSS_CHUNK_ELEMS = 1 << 27  # rows x draft vocabulary of one loss chunk (fp32: 512 MiB per [c, Vd] tensor)
+PROBS_CACHE_BYTES = 1 << 28  # a micro-batch's fp32 p^ is kept whole up to this size (TeacherRows.probs_cache)
 ALPHA_FLOOR = 1e-30
 
 
@@ -64,6 +65,7 @@ def loss_step_bytes(N: int, V: int, Vd: int, H: int, c: int, ct: int, mass: bool
     computed, `alpha_loss` = tv/nla/lk_hybrid in the mix.  Measured op by op on the meta device by
     bench/loss_memory.py (bench/results/loss_memory.json; tests/test_losses.py checks the bound):
       kept by the teacher   N (2 Vd + 8 + 4 mass)              bf16 logits, argmax, log-mass
+                            + 4 N Vd if that is <= PROBS_CACHE_BYTES (the p^ cache)
       teacher's transient   ct (V (4 + 2 mass) + 4 Vd mass)    0 when Vd = V (one head matmul)
       one loss chunk        4 u c Vd + 2 Vd H                  u = 4 (ce, kl) or 6.5 (alpha losses);
                                                                2 Vd H: that chunk's lm_head gradient
@@ -71,7 +73,7 @@ def loss_step_bytes(N: int, V: int, Vd: int, H: int, c: int, ct: int, mass: bool
     Kimi-K2.5 (V = Vd = 163,840, H = 7168) at N = 8192: c = ct = 819, 2.5 GiB kept; bound 6.7 GiB
     for ce and 7.9 GiB for lk_hybrid (measured 5.1 and 5.9; the previous fp32 teacher: 15.1 GiB)."""
     full = V == Vd
-    kept = N * (2 * Vd + 8 + 4 * mass)
+    kept = N * (2 * Vd + 8 + 4 * mass) + (4 * N * Vd if 4 * N * Vd <= PROBS_CACHE_BYTES else 0)
     teacher = 0 if full else ct * (V * (4 + 2 * mass) + 4 * Vd * mass)
     loss = int(4 * (6.5 if alpha_loss else 4) * c * Vd) + 2 * Vd * H
     return kept + max(teacher, loss)
@@ -87,7 +89,12 @@ class TeacherRows:
 
     logits: [N, Vd] the target head's draft-vocabulary rows, before soft-capping, in the teacher's
         matmul dtype (bf16 when training under bf16: that is the matmul's own output, nothing is
-        lost; fp32 otherwise).  Probabilities exist only per loss chunk (`probs`), never [N, Vd] fp32.
+        lost; fp32 otherwise).
+    probs_cache: [N, Vd] fp32 p^, computed once per micro-batch when it is small (at most
+        PROBS_CACHE_BYTES: every CPU recipe; 32 MiB in the demo), so the TTT steps read it instead
+        of forming it again per chunk, forward and backward (+25 % of a CPU step otherwise); None
+        for a large vocabulary (Kimi-K2.5: 5 GiB at 8K tokens), whose chunks form p^ themselves.
+        The same values either way (a row's softmax does not depend on the chunk).
     log_mass: [N] fp32 log S, S = the target's probability mass inside the draft vocabulary
         (0 when the draft vocabulary is the whole vocabulary); None when not computed (a `ce`/`kl`
         run's training batches: the full-vocabulary log-sum-exp costs a pass over [N, V]).
@@ -98,6 +105,7 @@ class TeacherRows:
     argmax: torch.Tensor
     log_mass: torch.Tensor | None = None
     softcap: float | None = None
+    probs_cache: torch.Tensor | None = None
 
     @classmethod
     def from_probs(cls, probs: torch.Tensor, argmax: torch.Tensor, log_mass: torch.Tensor | None = None) -> "TeacherRows":
@@ -108,6 +116,8 @@ class TeacherRows:
 
     def probs(self, rows: torch.Tensor) -> torch.Tensor:
         """p^ [len(rows), Vd] fp32 (or the logits' dtype if wider): renormalized over the draft vocabulary."""
+        if self.probs_cache is not None:
+            return self.probs_cache.index_select(0, rows)
         z = self.logits.index_select(0, rows)
         return torch.softmax(soft_cap(z.to(torch.promote_types(z.dtype, torch.float32)), self.softcap), dim=-1)
 
@@ -184,13 +194,6 @@ def normalize_loss(text: str) -> str:
 # the chunk loss: value and hand-written gradient
 
 
-def _alpha_grad(q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(alpha [c], dalpha/dz [c, Vd]) for q = softmax(z): dalpha/dz = q * (m - <m, q>), m = [q < p]."""
-    alpha = torch.minimum(p, q).sum(-1)
-    mq = torch.where(q < p, q, 0.0)
-    return alpha, mq.sub_(q * mq.sum(-1, keepdim=True))
-
-
 class _ChunkLoss(torch.autograd.Function):
     """sum_i w_i * sum_k c_k * loss_k(p_i, softmax(z_i)), its gradient written out (see the module
     docstring).  Autograd's log_softmax -> mul -> sum would keep and re-read four [c, Vd] tensors
@@ -199,9 +202,9 @@ class _ChunkLoss(torch.autograd.Function):
     when asked, alpha and the target's probability of the draft's argmax per row (both detached)."""
 
     @staticmethod
-    def forward(ctx, logits, t_logits, log_mass, rows, w, spec: LossSpec, softcap, want_alpha: bool):
+    def forward(ctx, logits, t_logits, log_mass, rows, w, spec: LossSpec, softcap, want_alpha: bool, probs_cache):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        teacher = TeacherRows(t_logits, None, log_mass, softcap)
+        teacher = TeacherRows(t_logits, None, log_mass, softcap, probs_cache)
         lse = torch.logsumexp(z, dim=-1)
         ph = teacher.probs(rows).to(z.dtype)
         need_alpha = spec.needs_alpha or want_alpha
@@ -235,7 +238,8 @@ class _ChunkLoss(torch.autograd.Function):
                 v = lam * per["kl"] + (1.0 - lam) * (1.0 - alpha)
             v = v if c == 1.0 else c * v
             loss = v if loss is None else loss + v
-        ctx.save_for_backward(z, t_logits, log_mass if log_mass is not None else z.new_empty(0), rows, w, lse)
+        none = z.new_empty(0)
+        ctx.save_for_backward(z, t_logits, none if log_mass is None else log_mass, rows, w, lse, none if probs_cache is None else probs_cache)
         ctx.spec, ctx.softcap, ctx.in_dtype = spec, softcap, logits.dtype
         if alpha is None:
             alpha, pt_arg = z.new_empty(0), z.new_empty(0)
@@ -244,37 +248,42 @@ class _ChunkLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _g_arg, _g_alpha, _g_pt):
-        z, t_logits, log_mass, rows, w, lse = ctx.saved_tensors
+        z, t_logits, log_mass, rows, w, lse, probs_cache = ctx.saved_tensors
         spec = ctx.spec
-        teacher = TeacherRows(t_logits, None, log_mass if log_mass.numel() else None, ctx.softcap)
+        teacher = TeacherRows(t_logits, None, log_mass if log_mass.numel() else None, ctx.softcap,
+                              probs_cache if probs_cache.numel() else None)
         ph = teacher.probs(rows).to(z.dtype)
         z = z.clone() if z.dtype == ctx.in_dtype else z  # z aliases the logits: do not overwrite them
         q = z.sub_(lse[:, None]).exp_()
         wg = w.to(z.dtype) * g
         if spec.terms == (("ce", 1.0),):  # the former SoftCrossEntropy's exact operations
-            return q.sub_(ph).mul_(wg[:, None]).to(ctx.in_dtype), None, None, None, None, None, None, None
-        c_kl = spec.weight("ce") + spec.weight("kl")  # coefficient of (q - p^): a number, or per row with lk_hybrid
-        dalpha = c_alpha = None  # and of dalpha/dz, per row
-        if spec.needs_alpha:
-            S = teacher.mass(rows).to(z.dtype)
-            alpha, dalpha = _alpha_grad(q, ph * S[:, None])
-            c_alpha = torch.zeros_like(alpha)
-            if spec.weight("tv"):
-                c_alpha -= spec.weight("tv")
-            if spec.weight("nla"):
-                c_alpha -= spec.weight("nla") / alpha.clamp_min(ALPHA_FLOOR)
-            if spec.weight("lk_hybrid"):
-                lam = torch.exp(-spec.eta * alpha)  # sg(alpha): lambda is a constant of the gradient
-                c_alpha -= spec.weight("lk_hybrid") * (1.0 - lam)
-                c_kl = (c_kl + spec.weight("lk_hybrid") * lam)[:, None]
-        if isinstance(c_kl, float) and c_kl == 0.0:
-            grad = dalpha.mul_(c_alpha[:, None])
-        else:
-            grad = q.sub_(ph).mul_(c_kl)  # q is not needed any more
-            if dalpha is not None:
-                grad.add_(dalpha.mul_(c_alpha[:, None]))
-        grad.mul_(wg[:, None])
-        return grad.to(ctx.in_dtype), None, None, None, None, None, None, None
+            return q.sub_(ph).mul_(wg[:, None]).to(ctx.in_dtype), *[None] * 8
+        # grad = c_kl (q - p^) + c_alpha dalpha/dz, dalpha/dz = q (m - A), m = [q < p], A = <m, q>, i.e.
+        # q * (c_kl - c_alpha A + c_alpha m) - c_kl p^, with w g folded into the per-row coefficients
+        c_kl = (spec.weight("ce") + spec.weight("kl")) * wg  # per row
+        if not spec.needs_alpha:
+            return q.sub_(ph).mul_(c_kl[:, None]).to(ctx.in_dtype), *[None] * 8
+        p = ph * teacher.mass(rows).to(z.dtype)[:, None]
+        alpha = torch.minimum(p, q).sum(-1)
+        m = q < p
+        del p
+        mf = m.to(q.dtype)
+        A = torch.linalg.vecdot(q, mf)
+        c_alpha = torch.zeros_like(alpha)
+        if spec.weight("tv"):
+            c_alpha -= spec.weight("tv")
+        if spec.weight("nla"):
+            c_alpha -= spec.weight("nla") / alpha.clamp_min(ALPHA_FLOOR)
+        if spec.weight("lk_hybrid"):
+            lam = torch.exp(-spec.eta * alpha)  # sg(alpha): lambda is a constant of the gradient
+            c_alpha -= spec.weight("lk_hybrid") * (1.0 - lam)
+            c_kl = c_kl + spec.weight("lk_hybrid") * lam * wg
+        c_alpha *= wg
+        a = c_kl - c_alpha * A
+        grad = mf.mul_(c_alpha[:, None]).add_(a[:, None]).mul_(q)
+        if spec.weight("ce") or spec.weight("kl") or spec.weight("lk_hybrid"):
+            grad.addcmul_(ph, c_kl[:, None], value=-1.0)
+        return grad.to(ctx.in_dtype), *[None] * 8
 
 
 def chunk_loss(logits: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, w: torch.Tensor, spec: LossSpec,
@@ -288,4 +297,4 @@ def chunk_loss(logits: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, w
     lm = teacher.log_mass
     if (spec.needs_alpha or want_alpha) and lm is None:
         teacher.mass(rows)  # the clear error
-    return _ChunkLoss.apply(logits, teacher.logits, lm, rows, w, spec, teacher.softcap, want_alpha)
+    return _ChunkLoss.apply(logits, teacher.logits, lm, rows, w, spec, teacher.softcap, want_alpha, teacher.probs_cache)

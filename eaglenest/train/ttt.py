@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.models.target import final_norm, soft_cap
-from eaglenest.train.losses import LossSpec, TeacherRows, chunk_loss
+from eaglenest.train.losses import PROBS_CACHE_BYTES, LossSpec, TeacherRows, chunk_loss
 
 
 TEACHER_CHUNK_ELEMS = 1 << 27  # rows x full vocabulary of the teacher's transient logits (bf16: 256 MiB, its fp32 copy 512 MiB)
@@ -78,10 +78,11 @@ class Teacher:
         `argmax` / `log_mass` known from an earlier epoch skip the full-vocabulary head: on a small
         target it is most of the teacher's cost (SmolLM2: V = 6x the 8K draft vocabulary).
 
-        Memory, b = bytes of the matmul dtype (2 under bf16), c = TEACHER_CHUNK_ELEMS // V rows:
-        kept N (Vd b + 12); transient c V (b + 4 with `mass`) + c Vd (b + 4).  Kimi-K2.5
-        (V = Vd = 163,840, bf16) at N = 8192: 2.5 GiB kept (was 5 GiB of fp32 probabilities) and
-        0.9 GiB transient (was 8192-row chunks: 7.5 GiB)."""
+        Memory: see losses.loss_step_bytes (kept: N Vd b, b = 2 under bf16, + 12 N; + 4 N Vd for
+        the p^ cache only while that is at most PROBS_CACHE_BYTES; transient: TEACHER_CHUNK_ELEMS // V
+        rows of full-vocabulary logits).  Kimi-K2.5 (V = Vd = 163,840, bf16) at N = 8192: 2.5 GiB
+        kept, ~0 transient (one head matmul), where the previous fp32 probabilities kept 5 GiB and
+        its 8192-row chunks added 10 GiB (bench/results/loss_memory.json)."""
         W, Wd = self.heads()
         V = W.shape[0]
         chunk = chunk or max(1, TEACHER_CHUNK_ELEMS // V)
@@ -90,6 +91,9 @@ class Teacher:
         logits = torch.empty(N, Wd.shape[0], dtype=self.matmul_dtype, device=dev)
         arg = torch.empty(N, dtype=torch.long, device=dev) if argmax is None else argmax.to(dev)
         lm = None if not mass else (torch.zeros(N, device=dev) if full or log_mass is None else log_mass.to(dev))
+        cache = None  # p^ once per micro-batch when small (TeacherRows.probs_cache)
+        if N * Wd.shape[0] * 4 <= PROBS_CACHE_BYTES:
+            cache = torch.empty(N, Wd.shape[0], dtype=torch.promote_types(self.matmul_dtype, torch.float32), device=dev)
         head_pass = not full and (argmax is None or (mass and log_mass is None))
         cap = self.logit_softcap
         for s in range(0, N, chunk):
@@ -99,6 +103,8 @@ class Teacher:
             h = h.to(self.matmul_dtype)
             zd = logits[s : s + chunk]
             torch.matmul(h, Wd.T, out=zd)
+            if cache is not None:
+                cache[s : s + chunk] = torch.softmax(soft_cap(zd.to(cache.dtype), cap), dim=-1)
             if full and argmax is None:
                 arg[s : s + chunk] = self.draft_rows[zd.max(-1).indices]
             if head_pass:
@@ -109,7 +115,7 @@ class Teacher:
                     lse_full = torch.logsumexp(soft_cap(zf.float(), cap), -1)
                     del zf
                     lm[s : s + chunk] = (torch.logsumexp(soft_cap(zd.float(), cap), -1) - lse_full).clamp_max_(0.0)
-        return TeacherRows(logits, arg, lm, cap)
+        return TeacherRows(logits, arg, lm, cap, cache)
 
 
 STAT_KEYS = ("loss_sum", "correct", "count", "loss_count")
