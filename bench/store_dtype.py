@@ -103,7 +103,7 @@ def patch_topk_teacher(k: int) -> None:
 
     from eaglenest.train import ttt
 
-    def targets(self, last_hidden, chunk=None, argmax=None):
+    def targets(self, last_hidden, chunk=None, argmax=None, mass=False, log_mass=None):
         h = last_hidden.float()
         logp = h[:, :k] + h[:, k : 2 * k]
         ids = (h[:, 2 * k : 3 * k] * 256 + h[:, 3 * k : 4 * k]).long()
@@ -115,7 +115,10 @@ def patch_topk_teacher(k: int) -> None:
         p = torch.zeros(h.shape[0], self.draft_rows.numel(), dtype=torch.float32)
         p.scatter_add_(1, d.clamp_min(0), torch.where(d >= 0, logp.exp(), torch.zeros_like(logp)))
         p /= p.sum(-1, keepdim=True).clamp_min(1e-30)
-        return p, ids[:, 0]
+        from eaglenest.train.losses import TeacherRows
+
+        # no full-vocabulary log-sum-exp in a top-K store: the evaluation's alpha is taken against the top-K
+        return TeacherRows.from_probs(p, ids[:, 0], torch.zeros(p.shape[0]) if mass else None)
 
     ttt.Teacher.targets = targets
 

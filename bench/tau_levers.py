@@ -82,12 +82,14 @@ def _teacher_temperature(temp: float) -> None:
 
     orig = ttt.Teacher.targets
 
-    def targets(self, last_hidden, chunk=None, argmax=None):
-        probs, arg = orig(self, last_hidden, chunk, argmax)
-        logp = probs.clamp_min(1e-30).log()  # softmax(z / T) == softmax(log softmax(z) / T)
+    def targets(self, last_hidden, chunk=None, argmax=None, mass=False, log_mass=None):
+        from eaglenest.train.losses import TeacherRows
+
+        r = orig(self, last_hidden, chunk, argmax, mass, log_mass)
+        logp = torch.log_softmax(r.logits.float(), -1)  # softmax(z / T) == softmax(log softmax(z) / T)
         if temp == 0:
-            return torch.nn.functional.one_hot(logp.argmax(-1), logp.shape[-1]).float(), arg
-        return torch.softmax(logp / temp, dim=-1), arg
+            return TeacherRows.from_probs(torch.nn.functional.one_hot(logp.argmax(-1), logp.shape[-1]).float(), r.argmax, r.log_mass)
+        return TeacherRows.from_probs(torch.softmax(logp / temp, dim=-1), r.argmax, r.log_mass)
 
     ttt.Teacher.targets = targets
 
@@ -157,12 +159,19 @@ def mt(args) -> None:
     """Teacher-forced accuracy of RUN's final checkpoint on the proxy store (the run's own vocabulary)."""
     import torch
 
+    torch.set_num_threads(args.threads)
+    ev = proxy_eval(Path(args.run), args.proxy, Path(args.out_root) / f"_mt_{Path(args.run).name}")
+    _append({"kind": "mt_proxy", "run": str(args.run), "mt_acc": [round(a, 4) for a in ev["acc"]], "mt_expected_tau": round(ev["expected_tau"][-1], 4)})
+
+
+def proxy_eval(run: Path, proxy_features, tmp: Path) -> dict:
+    """The held-out evaluation (Trainer.evaluate: accuracy, alpha, predicted tau) of RUN's final
+    checkpoint over every sample of a proxy store; `n_samples` added."""
+    import torch
+
     from eaglenest.train.data import Schedule
     from eaglenest.train.trainer import Trainer, TrainConfig
 
-    torch.set_num_threads(args.threads)
-    run = Path(args.run)
-    tmp = Path(args.out_root) / f"_mt_{run.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "checkpoints").mkdir(parents=True)
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
@@ -173,13 +182,14 @@ def mt(args) -> None:
     # resume = the run's vocabulary and weights; its optimizer state is not needed (and a Muon run's does not fit AdamW)
     torch.optim.AdamW.load_state_dict = lambda self, sd: None
     torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, sd: None
-    tr = Trainer(TrainConfig(model=c["model"], features=args.proxy, out=str(tmp), ttt_steps=c["ttt_steps"], draft_vocab=c["draft_vocab"],
-                             eval_fraction=0.5, dtype=c["dtype"], resume=True))
+    tr = Trainer(TrainConfig(model=c["model"], features=str(proxy_features), out=str(tmp), ttt_steps=c["ttt_steps"],
+                             draft_vocab=c["draft_vocab"], eval_fraction=0.5, dtype=c["dtype"], resume=True,
+                             serve_steps=c.get("serve_steps", 3)))
     st = tr.store
     tr.eval_batches = Schedule(st.lengths(), list(range(len(st))), 1024, 1, 0, 2048).batches  # every proxy sample
     ev = tr.evaluate()
     shutil.rmtree(tmp, ignore_errors=True)
-    _append({"kind": "mt_proxy", "run": str(run), "mt_acc": [round(a, 4) for a in ev["acc"]], "mt_expected_tau": round(ev["expected_tau"][-1], 4)})
+    return {**ev, "n_samples": len(st)}
 
 
 def main() -> None:

@@ -143,9 +143,9 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        tprobs, targ = teacher.targets(last.reshape(-1, H))
+        trows = teacher.targets(last.reshape(-1, H))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = ttt_forward(model, ids, aux, tprobs.view(1, T, -1), targ.view(1, T), mask, ttt, denom,
+            loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom,
                                   chunk=chunk, checkpoint_logits=cuda, attn_impl=kernel, recompute=recompute)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -234,13 +234,14 @@ def saved_bytes(a) -> dict:
                     seen[st.data_ptr()] = st.nbytes()
                     return t
 
-                tl = torch.log_softmax(torch.randn(1, T, s["Vd"]), -1)
-                ta = torch.zeros(1, T, dtype=torch.long)
+                from eaglenest.train.losses import TeacherRows
+
+                tl = TeacherRows(torch.log_softmax(torch.randn(T, s["Vd"]), -1), torch.zeros(T, dtype=torch.long))
                 m = step_inp["loss_mask"]
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-                    ttt_forward(model, step_inp["input_ids"], step_inp["aux"], tl, ta, m, k, denominators(m, k),
+                    ttt_forward(model, step_inp["input_ids"], step_inp["aux"], tl, m, k, denominators(m, k),
                                 chunk=16, checkpoint_logits=True, attn_impl="chunked", recompute=rec)
-                S[(T, k)] = sum(v for p, v in seen.items() if p != tl.untyped_storage().data_ptr())
+                S[(T, k)] = sum(v for p, v in seen.items() if p != tl.logits.untyped_storage().data_ptr())
         per = ((S[(T2, k2)] - S[(T1, k2)]) - (S[(T2, k1)] - S[(T1, k1)])) / (T2 - T1) / (k2 - k1)
         fixed = (S[(T2, k1)] - S[(T1, k1)]) / (T2 - T1) - per  # per token, outside the TTT steps (fc, inputs)
         out["layer_recompute" if rec else "no_recompute"] = {"bytes_per_token_per_step": round(per), "bytes_per_token_fixed": round(fixed)}

@@ -11,6 +11,7 @@ from eaglenest.draft import kernels
 from eaglenest.draft.kernels import FlexCausal, bucket_length, causal_attention_lse, causal_block_mask
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
+from eaglenest.train.losses import TeacherRows
 from eaglenest.train.ttt import Teacher, denominators, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -46,7 +47,7 @@ def batch(d, lengths, seed=1, dtype=torch.float64):
 
 def loss_and_grads(d, b, ttt, **kw):
     ids, mask, aux, tprobs, targ = b
-    loss, stats = ttt_forward(d, ids, aux, tprobs, targ, mask, ttt, denominators(mask, ttt), chunk=5, **kw)
+    loss, stats = ttt_forward(d, ids, aux, TeacherRows.from_probs(tprobs, targ), mask, ttt, denominators(mask, ttt), chunk=5, **kw)
     params = [p for p in d.parameters() if p.requires_grad]
     return loss, torch.autograd.grad(loss, params), stats
 
@@ -97,8 +98,8 @@ def test_flex_forward_equals_eager():
     ids, mask, aux, tprobs, targ = batch(d, [37, 21])
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref, _ = ttt_forward(d, ids, aux, tprobs, targ, mask, 4, denominators(mask, 4))
-        fl, _ = ttt_forward(d, ids, aux, tprobs, targ, mask, 4, denominators(mask, 4), attn_impl="flex")
+        ref, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tprobs, targ), mask, 4, denominators(mask, 4))
+        fl, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tprobs, targ), mask, 4, denominators(mask, 4), attn_impl="flex")
     assert torch.allclose(fl, ref, rtol=1e-6), (fl, ref)  # flex keeps lse in fp32
 
 
@@ -204,6 +205,7 @@ def test_teacher_is_computed_once_and_not_copied_per_step():
     about the per-step activations only (hidden-sized), not by the teacher's size."""
     d = draft(H=16, V=2500, Vd=2000, n_head=2, n_kv=1, hd=8, dtype=torch.float32)
     ids, mask, aux, tprobs, targ = batch(d, [64], dtype=torch.float32)
+    teacher = TeacherRows.from_probs(tprobs, targ)
 
     def saved_bytes(ttt):
         seen = {}
@@ -213,8 +215,8 @@ def test_teacher_is_computed_once_and_not_copied_per_step():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ttt_forward(d, ids, aux, tprobs, targ, mask, ttt, denominators(mask, ttt), chunk=16, attn_impl="chunked")
-        return sum(v for (ptr, n), v in seen.items() if ptr != tprobs.data_ptr())
+            ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=16, attn_impl="chunked")
+        return sum(v for (ptr, n), v in seen.items() if ptr != teacher.logits.data_ptr())
 
     per_step = saved_bytes(3) - saved_bytes(2)
     teacher_bytes = tprobs.numel() * 4
@@ -229,17 +231,28 @@ def test_teacher_targets_chunked_bf16():
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[rows] = True
     h = torch.randn(50, H, generator=g)
+    all_rows = torch.arange(50)
     t = Teacher(None, 1e-6, W, rows, t2d)
-    probs, arg = t.targets(h, chunk=7)
-    assert torch.allclose(probs, torch.softmax(h @ W[rows].T, -1), atol=1e-6)
-    assert torch.equal(arg, (h @ W.T).argmax(-1))
+    r = t.targets(h, chunk=7, mass=True)
+    full = torch.log_softmax(h @ W.T, -1)
+    assert torch.allclose(r.probs(all_rows), torch.softmax(h @ W[rows].T, -1), atol=1e-6)
+    assert torch.equal(r.argmax, (h @ W.T).argmax(-1))
+    # log-mass: the target's full-vocabulary probability inside the draft vocabulary
+    assert torch.allclose(r.log_mass, full[:, rows].logsumexp(-1), atol=1e-5)
+    assert torch.allclose(r.probs(all_rows) * r.log_mass.exp()[:, None], full[:, rows].exp(), atol=1e-6)
     tb = Teacher(None, 1e-6, W, rows, t2d, matmul_dtype=torch.bfloat16)
-    lb, ab = tb.targets(h)
-    assert (lb - probs).abs().max() < 0.05 and (ab == arg).float().mean() > 0.9
-    # a known argmax (from an earlier epoch) is used as given: the full-vocabulary head is skipped
-    known = torch.randint(0, V, (50,), generator=g)
-    p2, a2 = t.targets(h, argmax=known)
-    assert torch.equal(a2, known) and torch.allclose(p2, probs, atol=1e-7)
+    rb = tb.targets(h)
+    assert rb.logits.dtype == torch.bfloat16 and rb.log_mass is None  # no fp32 [N, Vd] copy is kept
+    assert (rb.probs(all_rows) - r.probs(all_rows)).abs().max() < 0.05 and (rb.argmax == r.argmax).float().mean() > 0.9
+    # a known argmax and log-mass (from an earlier epoch) are used as given: the full-vocabulary head is skipped
+    known, lm = torch.randint(0, V, (50,), generator=g), -torch.rand(50, generator=g)
+    r2 = t.targets(h, argmax=known, mass=True, log_mass=lm)
+    assert torch.equal(r2.argmax, known) and torch.equal(r2.log_mass, lm) and torch.allclose(r2.probs(all_rows), r.probs(all_rows), atol=1e-7)
+    # a draft vocabulary that is the whole vocabulary (Kimi's published drafts): one head, mass 1
+    tf = Teacher(None, 1e-6, W, torch.arange(V), torch.ones(V, dtype=torch.bool))
+    rf = tf.targets(h, chunk=9, mass=True)
+    assert tf.heads()[1] is tf.heads()[0]  # no second copy of the head
+    assert torch.equal(rf.argmax, r.argmax) and torch.equal(rf.log_mass, torch.zeros(50))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward is CUDA-only)")

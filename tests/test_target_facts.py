@@ -58,11 +58,14 @@ def test_gemma2_teacher_matches_the_model(tmp_path, smollm2):
     t2d = torch.zeros(1000, dtype=torch.bool)
     t2d[rows] = True
     teacher = Teacher(head["norm"].float(), head["norm_eps"], head["lm_head"].float(), rows, t2d, logit_softcap=head["logit_softcap"])
-    probs, arg = teacher.targets(pre["h"][0])
+    r = teacher.targets(pre["h"][0], mass=True)
+    probs, all_rows = r.probs(torch.arange(9)), torch.arange(9)
     torch.testing.assert_close(probs, torch.softmax(logits[:, rows], -1), atol=1e-5, rtol=1e-4)
-    assert torch.equal(arg, logits.argmax(-1))
+    assert torch.equal(r.argmax, logits.argmax(-1))
+    # the soft-capped full-vocabulary probability mass inside the draft vocabulary
+    torch.testing.assert_close(r.log_mass, torch.log_softmax(logits, -1)[:, rows].logsumexp(-1), atol=1e-5, rtol=1e-4)
     # the Llama reading (w * x, no cap) would be wrong here: the test can fail
-    wrong = Teacher(head["norm"].float() - 1.0, head["norm_eps"], head["lm_head"].float(), rows, t2d).targets(pre["h"][0])[0]
+    wrong = Teacher(head["norm"].float() - 1.0, head["norm_eps"], head["lm_head"].float(), rows, t2d).targets(pre["h"][0]).probs(all_rows)
     assert not torch.allclose(wrong, probs, atol=1e-3)
 
 

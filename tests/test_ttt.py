@@ -3,10 +3,12 @@ alignment; fast path == reference path in loss and gradients."""
 
 import math
 
+import pytest
 import torch
 
 from eaglenest.draft.model import DraftConfig, Eagle3Draft, apply_rope
 from eaglenest.draft.vocab import build_vocab
+from eaglenest.train.losses import TeacherRows
 from eaglenest.train.ttt import step_weights, ttt_forward
 
 
@@ -25,8 +27,11 @@ def tiny_draft(seed=0, V=300, Vd=120):
     return d.double()
 
 
-def reference_loss(d: Eagle3Draft, ids, aux, tlogp, targ, mask, ttt, denom):
-    """One sample, every index and every key written out by hand."""
+def reference_loss(d: Eagle3Draft, ids, aux, tlogp, targ, mask, ttt, denom, kind="ce", log_mass=None, decay=0.8, eta=3.0,
+                   alphas=None):
+    """One sample, every index and every key written out by hand.  kind: the per-position loss
+    (ce, or an LK loss with p = exp(tlogp + log_mass), the target's unrenormalized probabilities);
+    `alphas`: a list per step that collects (alpha, counted) of every position."""
     T = ids.shape[0]
     mid, at = d.midlayer, d.midlayer.self_attn
     g = at.n_head // at.n_kv
@@ -62,8 +67,20 @@ def reference_loss(d: Eagle3Draft, ids, aux, tlogp, targ, mask, ttt, denom):
             if t + 2 + j >= T:
                 continue  # the label x_{t+2+j} does not exist
             w = float(mask[t + 2 + j]) * float(d.t2d[targ[t + 1 + j]])
-            lsum = lsum + w * -(tlogp[t + 1 + j].exp() * logp[t]).sum()
-        total = total + 0.8**j * lsum / max(float(denom[j]), 1.0)
+            ph = tlogp[t + 1 + j].exp()
+            if kind == "ce":
+                lsum = lsum + w * -(ph * logp[t]).sum()
+                continue
+            p = ph * log_mass[t + 1 + j].exp()
+            alpha = torch.minimum(p, logp[t].exp()).sum()
+            if alphas is not None:
+                alphas[j].append((float(alpha), float(mask[t + 2 + j])))
+            if kind == "nla":
+                lsum = lsum - w * alpha.log()
+            else:  # lk_hybrid
+                lam = torch.exp(-eta * alpha.detach())
+                lsum = lsum + w * (lam * (ph * (ph.log() - logp[t])).sum() + (1 - lam) * (1 - alpha))
+        total = total + decay**j * lsum / max(float(denom[j]), 1.0)
         hidden = h
     return total
 
@@ -90,7 +107,7 @@ def test_fast_ttt_equals_reference_loss_and_grads():
     from eaglenest.train.ttt import denominators
 
     denom = denominators(mask, ttt)
-    fast, _ = ttt_forward(d, ids, aux, tlogp.exp(), targ, mask, ttt, denom, chunk=4)
+    fast, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, ttt, denom, chunk=4)
     g_fast = torch.autograd.grad(fast, list(d.parameters()))
     ref = sum(
         reference_loss(d, ids[b, :L], aux[b, :L], tlogp[b, :L], targ[b, :L], mask[b, :L], ttt, denom)
@@ -102,12 +119,40 @@ def test_fast_ttt_equals_reference_loss_and_grads():
         assert torch.allclose(a, b, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", ["nla", "lk_hybrid"])
+def test_fast_ttt_equals_reference_for_lk_losses(kind):
+    """An LK loss through the TTT loop (teacher rows, chunks, weights, --step-decay) and the alpha
+    it reports per step, against the slow reference."""
+    from eaglenest.train.losses import LossSpec
+    from eaglenest.train.ttt import denominators
+
+    d = tiny_draft(seed=2)
+    lengths, ttt = [10, 8], 3
+    ids, mask, aux, tlogp, targ = make_batch(d, lengths, seed=5)
+    log_mass = -torch.rand(ids.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    denom = denominators(mask, ttt)
+    teacher = TeacherRows.from_probs(tlogp.exp(), targ, log_mass)
+    fast, stats = ttt_forward(d, ids, aux, teacher, mask, ttt, denom, chunk=4, step_decay=0.6, loss=LossSpec.parse(kind, 2.0))
+    g_fast = torch.autograd.grad(fast, list(d.parameters()))
+    alphas = [[] for _ in range(ttt)]
+    ref = sum(reference_loss(d, ids[b, :L], aux[b, :L], tlogp[b, :L], targ[b, :L], mask[b, :L], ttt, denom, kind=kind,
+                             log_mass=log_mass[b, :L], decay=0.6, eta=2.0, alphas=alphas) for b, L in enumerate(lengths))
+    g_ref = torch.autograd.grad(ref, list(d.parameters()))
+    assert torch.allclose(fast, ref, rtol=1e-9, atol=1e-10), (fast, ref)
+    for a, b in zip(g_fast, g_ref):
+        assert torch.allclose(a, b, rtol=1e-7, atol=1e-10)
+    for j in range(ttt):
+        assert stats["alpha_sum"][j] == pytest.approx(sum(a * m for a, m in alphas[j]), rel=1e-9)
+        assert stats["count"][j] == sum(m for _, m in alphas[j]) > 0
+
+
 def test_padding_does_not_leak_into_valid_positions():
     d = tiny_draft(seed=3)
     ids, mask, aux, tlogp, targ = make_batch(d, [9, 9], seed=4)
     from eaglenest.train.ttt import denominators
 
-    alone, _ = ttt_forward(d, ids[:1, :9], aux[:1, :9], tlogp[:1, :9].exp(), targ[:1, :9], mask[:1, :9], 4, denominators(mask[:1, :9], 4))
+    alone, _ = ttt_forward(d, ids[:1, :9], aux[:1, :9], TeacherRows.from_probs(tlogp[:1, :9].exp(), targ[:1, :9]), mask[:1, :9], 4,
+                           denominators(mask[:1, :9], 4))
     # the same sample padded with garbage to length 15
     pad = lambda x, fill: torch.cat([x[:1], fill], 1)  # noqa: E731
     ids2 = pad(ids, torch.randint(0, 300, (1, 6)))
@@ -115,7 +160,7 @@ def test_padding_does_not_leak_into_valid_positions():
     tl2 = pad(tlogp, torch.log_softmax(torch.randn(1, 6, 120, dtype=torch.float64), -1))
     ta2 = pad(targ, torch.randint(0, 300, (1, 6)))
     m2 = pad(mask, torch.zeros(1, 6, dtype=torch.long))
-    padded, _ = ttt_forward(d, ids2, aux2, tl2.exp(), ta2, m2, 4, denominators(m2, 4))
+    padded, _ = ttt_forward(d, ids2, aux2, TeacherRows.from_probs(tl2.exp(), ta2), m2, 4, denominators(m2, 4))
     assert torch.allclose(alone, padded, rtol=1e-10)
 
 

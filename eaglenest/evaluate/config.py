@@ -27,6 +27,11 @@ class EvalConfig:
     num_draft_tokens: int | None = option(None, "tokens verified per round, root included (default steps+1 for topk 1, "
                                           "steps*topk+1 for a tree)")
     temperature: float = option(0.0, "0 = greedy; >0 = speculative rejection sampling")
+    draft_sampling: str = option("sample", "at temperature > 0 with --topk 1: sample = draft tokens drawn from the draft's "
+                                 "distribution q, accepted with min(1, p/q) (standard speculative sampling; vLLM "
+                                 "draft_sample_method=probabilistic); argmax = the draft's argmax proposed and accepted with "
+                                 "probability p(token) (SGLang, which supports only this; vLLM's default)",
+                                 choices=["sample", "argmax"])
     max_new_tokens: int = option(256, "per generation (each turn)")
     engine: str = option("hf", "which engine decodes", choices=evaluator_names)
     device: str = option("auto", "hf engine: cpu, cuda, cuda:N or auto")

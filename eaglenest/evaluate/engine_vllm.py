@@ -2,7 +2,9 @@
 
   * A server is started (127.0.0.1, free port, the vLLM venv) with
     `--speculative-config {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": steps}`
-    (vLLM drafts a chain: --topk 1 only; draft tokens = steps + 1).
+    (vLLM drafts a chain: --topk 1 only; draft tokens = steps + 1); at temperature > 0 also
+    `"draft_sample_method"`: probabilistic for `--draft-sampling sample` (our decoder's standard
+    rule), greedy for `argmax`.
   * The benchmark prompts go one at a time (batch size 1, like the in-process evaluator) as token
     ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
   * tau comes from the server's Prometheus counters, snapshotted before and after each request:
@@ -88,7 +90,8 @@ def run_eval(args) -> dict:
     from eaglenest.engines.server import ServerProcess
     from eaglenest.engines.vllm import find_vllm_python, finish_generated, model_card, server_command, start_server
     from eaglenest.evaluate.run import (
-        chat_prompt_ids, check_draft_fits, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations,
+        chat_prompt_ids, check_draft_fits, draft_sampling, finish_report, load_prompts, merge_server_baseline, report_header,
+        run_conversations,
     )
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import eos_token_ids, load_tokenizer, resolve_model_path
@@ -124,6 +127,8 @@ def run_eval(args) -> dict:
     extra = [ea["server_arg"]] if ea.get("server_arg") else []
     startup = float(ea.get("startup_timeout", 600))
     spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
+    if temp > 0:  # how vLLM drafts at temperature > 0, as --draft-sampling says (vLLM's own default: greedy)
+        spec_cfg["draft_sample_method"] = "probabilistic" if draft_sampling(a) == "sample" else "greedy"
 
     def serve(spec: bool, name: str) -> ServerProcess:
         return start_server(
@@ -207,6 +212,7 @@ def run_eval(args) -> dict:
                            attention="vllm")  # vLLM's own attention backend for the platform
     finish_report(report, records, steps, mismatches)
     report["vllm_version"] = version
+    report["vllm_speculative_config"] = spec_cfg
     report["vllm_server_start_s"] = server_times
     report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"
     report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text

@@ -193,7 +193,8 @@ class HFEvaluator:
         draft = load_draft_for_target(a.draft, target, device, tdtype)
         self.eos = eos = set(eos_token_ids(resolve_model_path(a.model), tok))
         temp = float(a.temperature)
-        self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed)
+        self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed,
+                                draft_sampling=draft_sampling(a))
         self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
         # warm-up (first calls of the CPU kernels pay one-time setup): not timed, not reported
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
@@ -367,6 +368,11 @@ def run_conversations(prompts, turns: int, tok, eos: set[int], desc: str, answer
     return recs
 
 
+def draft_sampling(a) -> str:
+    """--draft-sampling (specdec.DRAFT_SAMPLING; argument namespaces built by hand default to sample)."""
+    return getattr(a, "draft_sampling", None) or "sample"
+
+
 def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[dict], *, steps: int, topk: int, ndt: int,
                   path, aux_ids, draft_vocab: int, device: str, **extra) -> dict:
     """The settings part of every evaluator's report (finish_report adds the results)."""
@@ -380,6 +386,7 @@ def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[di
         "topk": topk,
         "num_draft_tokens": ndt,
         "temperature": float(a.temperature),
+        "draft_sampling": draft_sampling(a) if float(a.temperature) > 0 and topk == 1 else None,
         "batch_size": 1,
         "max_new_tokens": a.max_new_tokens,
         "seed": a.seed,
@@ -466,6 +473,9 @@ def evaluate(args) -> dict:
     evs = engine_evaluators()
     if args.engine not in evs:
         raise EaglenestError(f"unknown engine '{args.engine}' (available: {', '.join(sorted(evs))})")
+    if args.engine == "sglang" and float(args.temperature) > 0 and draft_sampling(args) != "argmax":
+        raise EaglenestError("SGLang verifies the draft's argmax (top-k) candidates at temperature > 0, never tokens "
+                             "sampled from the draft: pass --draft-sampling argmax with --engine sglang")
     from eaglenest.export.check import assert_draft_ok
 
     if (Path(args.draft) / "config.json").exists():  # a server engine's draft may live on the server only

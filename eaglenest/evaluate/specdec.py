@@ -65,7 +65,14 @@ class GenResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# sampling rules (public: unit-tested on toy distributions)
+# sampling rules (public: unit-tested on toy distributions; the decoder as a whole: tests/test_lossless.py)
+
+# How a chain (topk 1) is drafted at temperature > 0: "sample" draws each token from the draft's q
+# and verifies it with min(1, p/q) (standard speculative sampling; accepted with probability
+# sum_v min(p_v, q_v); vLLM's draft_sample_method=probabilistic); "argmax" proposes q's argmax and
+# verifies it as a deterministic candidate (accepted with probability p(token); SGLang's chain and
+# vLLM's default).  Trees (topk > 1) always propose top-k candidates.  Both are lossless.
+DRAFT_SAMPLING = ("sample", "argmax")
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -255,6 +262,7 @@ class SpecDecoder:
         num_draft_tokens: int | None = None,
         temperature: float = 0.0,
         seed: int = 0,
+        draft_sampling: str = "sample",
     ):
         if steps < 1:
             raise EaglenestError(f"--steps must be >= 1 (got {steps})")
@@ -264,6 +272,9 @@ class SpecDecoder:
         self.target, self.draft = target, draft
         self.steps, self.topk = steps, topk
         self.temperature = float(temperature)
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise EaglenestError(f"--draft-sampling must be one of {', '.join(DRAFT_SAMPLING)} (got {draft_sampling})")
+        self.draft_sampling = draft_sampling
         self.eos = set(eos_ids)
         self.device = next(target.parameters()).device
         self.generator = torch.Generator(device=self.device)
@@ -357,7 +368,7 @@ class SpecDecoder:
         tokens, qs = [], []
         for j in range(S):
             logits = d.logits(h[0, -1]).float()
-            if self.temperature > 0:
+            if self.temperature > 0 and self.draft_sampling == "sample":
                 pd = torch.softmax(logits / self.temperature, dim=-1)
                 di = sample(pd, self.generator)
                 qs.append(pd)

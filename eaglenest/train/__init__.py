@@ -4,7 +4,8 @@
 Public entry: `Trainer(TrainConfig(...)).fit()`.  Pieces: config.py (options), setup.py
 (vocabulary, model, teacher, optimizer), data.py + loader.py (order, prefetched reads), online.py
 (the engine as the data source), checkpoint.py (run directory, resume), distributed.py
-(torchrun), metrics.py, ttt.py (the loss)."""
+(torchrun), metrics.py (acceptance and predicted tau), ttt.py (the TTT loop and the teacher), losses.py
+(the training losses, one chunk at a time), memtrace.py (peak tensor bytes, for bench/loss_memory.py)."""
 
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.trainer import Trainer

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from eaglenest import EaglenestError
 from eaglenest.config import option
+from eaglenest.train.losses import KINDS, LossSpec, normalize_loss
 
 ATTN_CHOICES = ["auto", "eager", "chunked", "flex"]
 
@@ -34,6 +35,15 @@ class TrainConfig:
                                    "set-up and evaluation captures are bounded by the engine's own timeouts); under "
                                    "torchrun every rank stops together: --dist-timeout is set above it")
     ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
+    loss: str = option("ce", f"training loss: one of {', '.join(KINDS)} or a weighted mix 'ce:0.1,tv:0.9' (YAML: the same "
+                       "string). ce = soft cross-entropy against the target renormalized over the draft vocabulary; tv = "
+                       "1 - alpha, nla = -log alpha, lk_hybrid = lam*KL + (1-lam)*TV with lam = exp(-eta*alpha) (LK losses), "
+                       "alpha = the acceptance probability at temperature 1 against the target's full-vocabulary "
+                       "distribution (train/losses.py)", type=normalize_loss)
+    lk_eta: float = option(3.0, "eta of lk_hybrid's lambda = exp(-eta * alpha)")
+    step_decay: float = option(0.8, "weight of TTT step j's loss is step_decay^j")
+    serve_steps: int = option(3, "draft steps the draft will be served with: the training log's predicted tau "
+                              "(1 + sum_k prod_{j<=k} accept_j) is for this many (at most --ttt-steps; fewer TTT steps cap it)")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")
     max_steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -95,6 +105,11 @@ class TrainConfig:
         for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len"):
             if getattr(self, name) <= 0:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if not self.step_decay > 0:
+            raise EaglenestError(f"--step-decay must be positive (got {self.step_decay})")
+        if self.serve_steps <= 0:
+            raise EaglenestError(f"--serve-steps must be positive (got {self.serve_steps})")
+        self.loss_spec()  # a bad --loss / --lk-eta is refused before any work
         if not 0 <= self.eval_fraction < 1:
             raise EaglenestError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction})")
         if self.prefetch < 0 or self.loader_threads < 1:
@@ -123,8 +138,19 @@ class TrainConfig:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} (got {getattr(self, name)})")
 
 
+    def loss_spec(self) -> LossSpec:
+        return LossSpec.parse(self.loss, self.lk_eta)
+
+    def predicted_steps(self) -> int:
+        """The serve steps the training log predicts tau for: positions past --ttt-steps were never trained."""
+        return min(self.serve_steps, self.ttt_steps)
+
+
 # A resumed run replays the data order and continues the model and optimizer of its checkpoint:
 # these options decide them, so `--resume` with a different value is refused (the model's shape
 # is checked through the draft config, the target and the store through their fingerprints).
+# The objective (--loss, --lk-eta, --step-decay) is NOT fixed: fine-tuning a ce-trained checkpoint
+# with an LK loss (pure TV from scratch trains poorly, LK paper) is a plausible recipe; a resume
+# that changes it says so (train/trainer.py) and config.json records the new one.
 RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head",
                 "fc_norm", "norm_output", "draft_attention")

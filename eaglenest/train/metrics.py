@@ -10,17 +10,54 @@ from eaglenest import EaglenestError
 from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, read_jsonl_tolerant
 
 
-def summarize(per: list[dict]) -> dict:
-    """Per-TTT-position loss/accuracy and the acceptance length they imply for chain drafting."""
-    loss = [p["loss_sum"] / max(1.0, p["loss_count"]) for p in per]
-    acc = [p["correct"] / max(1.0, p["count"]) for p in per]
-    tau, run = 1.0, 1.0
-    taus = []
-    for a in acc:  # tau(k) = 1 + sum_i prod_{j<=i} acc_j  (step accuracies as conditional acceptances)
+def chain_tau(accept: list[float]) -> list[float]:
+    """tau(k) = 1 + sum_{i<k} prod_{j<=i} a_j for k = 1..len(accept): the mean tokens per verification
+    of a k-step chain whose position-j draft is accepted with probability a_j given the earlier ones."""
+    tau, run, out = 1.0, 1.0, []
+    for a in accept:
         run *= a
         tau += run
-        taus.append(tau)
-    return {"loss": loss, "acc": acc, "expected_tau": taus}
+        out.append(tau)
+    return out
+
+
+def summarize(per: list[dict], serve_steps: int | None = None) -> dict:
+    """Per-TTT-position loss, accuracy (the target's argmax matched: acceptance at temperature 0)
+    and the chain tau they predict; with the alpha sums (ttt_forward's want_alpha), the acceptance
+    at temperature 1 per position: `alpha` = E[sum_v min(p_v, q_v)] (the draft samples its tokens
+    from q: our decoder, vLLM's draft_sample_method=probabilistic) and `alpha_argmax` = E[p(argmax q)]
+    (the draft proposes its argmax: SGLang, vLLM's default), each with its chain tau.  `tau_t0`,
+    `tau_t1`, `tau_t1_argmax`: the predicted tau at `serve_steps` (capped at the TTT steps).
+    Teacher-forced on the data's own tokens: an estimate, calibrated in bench/results/losses.json."""
+    n = [max(1.0, p["count"]) for p in per]
+    out = {"loss": [p["loss_sum"] / max(1.0, p["loss_count"]) for p in per], "acc": [p["correct"] / c for p, c in zip(per, n)]}
+    out["expected_tau"] = chain_tau(out["acc"])
+    if per and "alpha_sum" in per[0]:
+        out["alpha"] = [p["alpha_sum"] / c for p, c in zip(per, n)]
+        out["alpha_argmax"] = [p["p_argmax_sum"] / c for p, c in zip(per, n)]
+        out["expected_tau_t1"] = chain_tau(out["alpha"])
+        out["expected_tau_t1_argmax"] = chain_tau(out["alpha_argmax"])
+    if serve_steps and per:
+        k = min(serve_steps, len(per))
+        out["serve_steps"] = k
+        out["tau_t0"] = out["expected_tau"][k - 1]
+        if "alpha" in out:
+            out["tau_t1"] = out["expected_tau_t1"][k - 1]
+            out["tau_t1_argmax"] = out["expected_tau_t1_argmax"][k - 1]
+    return out
+
+
+def describe_eval(ev: dict) -> str:
+    """One line for the console at each evaluation."""
+    f = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    s = f"held-out accept per position: T0 {f(ev['acc'])}"
+    if "alpha" in ev:
+        s += f" | T1 {f(ev['alpha'])} (argmax drafts {f(ev['alpha_argmax'])})"
+    if "serve_steps" in ev:
+        s += f"; predicted tau at {ev['serve_steps']} steps: T0 {ev['tau_t0']:.3f}"
+        if "tau_t1" in ev:
+            s += f", T1 {ev['tau_t1']:.3f} (argmax drafts {ev['tau_t1_argmax']:.3f})"
+    return s
 
 
 def prefix_keys(d: dict, p: str) -> dict:

@@ -46,7 +46,7 @@ from eaglenest.train.online import (
     memory_line,
     queue_bytes,
 )
-from eaglenest.train.metrics import MetricsLog, prefix_keys, summarize
+from eaglenest.train.metrics import MetricsLog, describe_eval, prefix_keys, summarize
 from eaglenest.train.setup import (
     build_draft,
     build_optimizer,
@@ -57,13 +57,14 @@ from eaglenest.train.setup import (
     store_fingerprint,
     vocab_counts,
 )
-from eaglenest.train.ttt import denominators, ttt_forward
+from eaglenest.train.losses import chunk_rows
+from eaglenest.train.ttt import ALPHA_KEYS, STAT_KEYS, TeacherRows, denominators, ttt_forward
 from eaglenest.utils import atomic_write_json, progress, read_json, release_free_heap
 
 __all__ = ["ARGMAX_CACHE_TOKENS", "TrainConfig", "Trainer", "estimate_activation_bytes", "lr_lambda", "summarize"]
 
 TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stays ~1/3 (train_cpu_memory.json)
-ARGMAX_CACHE_TOKENS = 1 << 28  # 1 GiB of int32: beyond that, later epochs recompute the target's argmax
+ARGMAX_CACHE_TOKENS = 1 << 28  # tokens: 1 GiB of int32 argmax (+1 GiB of fp32 log-mass for alpha losses): beyond, later epochs recompute
 
 
 def has_loss_positions(b: Batch) -> bool:
@@ -150,6 +151,8 @@ class Trainer:
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
             self._check_resume()
+            self._note_objective()
+        self.loss = cfg.loss_spec()
         if cfg.online:
             self.failures = FailureLog(self.out)
             if self.rank == 0:
@@ -191,9 +194,10 @@ class Trainer:
         self.step = 0
         # online: failed training samples so far (--max-failures counts those of a resumed run's earlier steps too)
         self.n_failed = sum(self.failures.summary(self.ckpt.latest_step()).get("train", {}).values()) if cfg.online and resuming else 0
-        # micro-batch -> the target's argmax per position (host RAM, int32), reused by later epochs;
-        # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
-        self._argmax: dict[tuple, torch.Tensor] = {}
+        # micro-batch -> the target's argmax (int32) and, when computed, log-mass (fp32) per position
+        # (host RAM), reused by later epochs (and evaluations); only when a run sees its data more
+        # than once, and at most ARGMAX_CACHE_TOKENS tokens
+        self._argmax: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
 
         if resuming:
@@ -275,6 +279,17 @@ class Trainer:
 
         return build_vocab(self.counts, self.cfg.draft_vocab, always=eos_token_ids(resolve_model_path(self.cfg.model)))
 
+    def _note_objective(self) -> None:
+        """A resume may change the objective (fine-tuning with another loss): said, not refused."""
+        p = self.out / "config.json"
+        old = read_json(p, "run config").get("train", {}) if p.exists() else {}
+        keys = ("loss", "lk_eta", "step_decay")
+        was = {k: old.get(k, d) for k, d in zip(keys, ("ce", 3.0, 0.8))}  # runs from before these options: their values
+        now = {k: getattr(self.cfg, k) for k in keys}
+        if was != now and self.rank == 0:
+            print(f"resume: the objective changes from {was} to {now} (continuing the checkpoint's model and optimizer)",
+                  file=sys.stderr)
+
     def _check_resume(self) -> None:
         p = self.out / "config.json"
         if not p.exists():
@@ -302,16 +317,25 @@ class Trainer:
         return d
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor):
+    def _teacher(self, last: torch.Tensor, key: tuple | None, mass: bool) -> TeacherRows:
+        """The teacher's rows for one micro-batch.  Micro-batches keep their samples every epoch: the
+        target's argmax (and log-mass, when a loss or the evaluation needs alpha) are computed once
+        per batch and cached, so later epochs skip the full-vocabulary head."""
+        known = self._argmax.get(key)
+        arg, lm = (None, None) if known is None else known
+        t = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if arg is None else arg.long(), mass=mass,
+                                 log_mass=lm)
+        new = known is None or (mass and lm is None)
+        if new and key is not None and (known is not None or t.argmax.numel() <= self._argmax_room):
+            if known is None:
+                self._argmax_room -= t.argmax.numel()
+            self._argmax[key] = (t.argmax.to("cpu", torch.int32), None if t.log_mass is None else t.log_mass.cpu())
+        return t
+
+    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, want_alpha: bool = False):
         dev = self.device
         nb = self.device_type == "cuda"  # pinned by the loader: the copies overlap
-        # micro-batches keep their samples every epoch: the target's argmax is computed once per batch
-        known = self._argmax.get(key)
-        last = b.last.to(dev, non_blocking=nb)
-        tprobs, targ = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if known is None else known.long())
-        if known is None and key is not None and targ.numel() <= self._argmax_room:
-            self._argmax[key] = targ.to("cpu", torch.int32)
-            self._argmax_room -= targ.numel()
+        teacher = self._teacher(b.last.to(dev, non_blocking=nb), key, mass=want_alpha or self.loss.needs_alpha)
         B, T = b.input_ids.shape
         cuda = self.device_type == "cuda"
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -319,15 +343,17 @@ class Trainer:
                 self.model,
                 b.input_ids.to(dev, non_blocking=nb),
                 b.aux.to(dev, non_blocking=nb).to(torch.bfloat16 if self.autocast else torch.float32),
-                tprobs.view(B, T, -1),
-                targ.view(B, T),
+                teacher,
                 b.loss_mask.to(dev, non_blocking=nb),
                 self.cfg.ttt_steps,
                 denom.to(dev),
-                chunk=self.cfg.logits_chunk or (4096 if cuda else 1024),
+                step_decay=self.cfg.step_decay,
+                chunk=chunk_rows(self.cfg.logits_chunk or (4096 if cuda else 1024), self.model.cfg.draft_vocab_size),
                 checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
                 attn_impl=self.attn,
                 recompute=self._recompute(B * T),
+                loss=self.loss,
+                want_alpha=want_alpha,
             )
         return loss, stats, b.n_tokens
 
@@ -344,19 +370,18 @@ class Trainer:
         if not self.eval_batches:
             return None
         self.model.eval()
-        tot = {"loss_sum": 0, "correct": 0, "count": 0, "loss_count": 0}
-        per = [dict(tot) for _ in range(self.cfg.ttt_steps)]
+        per = [dict.fromkeys(STAT_KEYS + ALPHA_KEYS, 0.0) for _ in range(self.cfg.ttt_steps)]
         for idx in self.eval_batches:
             b = self.source.load_batch(idx, self.step) if self.cfg.online else self.source.load_batch(idx)
             if b is None:  # online: none of its samples arrived (recorded)
                 continue
             key = tuple(idx) if b.input_ids.shape[0] == len(idx) else None  # online: not all arrived, no argmax cache
-            _, stats, _ = self._forward(b, key, denominators(b.loss_mask, self.cfg.ttt_steps))
+            _, stats, _ = self._forward(b, key, denominators(b.loss_mask, self.cfg.ttt_steps), want_alpha=True)
             for j in range(self.cfg.ttt_steps):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
         self.model.train()
-        return summarize(per)
+        return summarize(per, self.cfg.predicted_steps())
 
     # --- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -390,12 +415,14 @@ class Trainer:
                                "empty_micro_batches": self.step_empty}
                         if n_tok == 0:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
-                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
+                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)],
+                                                         cfg.predicted_steps()), "train_"))
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
                             last_eval = self.evaluate()
                             if last_eval:
                                 rec.update(prefix_keys(last_eval, "eval_"))
+                                bar.write(f"step {self.step}: {describe_eval(last_eval)}", file=sys.stderr)
                         log.log(rec)
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss_val:.3f}", acc0=f"{rec['train_acc'][0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
@@ -524,7 +551,7 @@ class Trainer:
         cfg, params = self.cfg, self.params
         denom = self.dist.sum(data.denom) if self.world > 1 else data.denom  # every rank's tokens count
         self.opt.zero_grad(set_to_none=True)
-        agg = {k: [0.0] * cfg.ttt_steps for k in ("loss_sum", "correct", "count", "loss_count")}
+        agg = {k: [0.0] * cfg.ttt_steps for k in STAT_KEYS + (ALPHA_KEYS if self.loss.needs_alpha else ())}
         n_tok, loss_val, n_empty = 0, 0.0, 0
         for b, key in zip(data.batches, data.keys):
             n_tok += b.n_tokens

@@ -10,14 +10,16 @@ Alignment (decided once, tested in tests/test_ttt.py against a slow reference):
   (we align the mask with the label instead of leaving it unshifted as SpecForge does: it trains
   exactly the predictions whose answer is an assistant token, none of the prompt's).
   Positions whose teacher argmax is outside the draft vocabulary get no loss (nothing to learn),
-  but still count as misses in the accuracy.
+  but still count as misses in the accuracy (and in alpha, the acceptance at temperature 1).
   Attention at step j: causal over step-0 keys, plus key t of each earlier step (diagonal).
-  Per-step loss = sum(weight * softCE) / denominators[j]; total = sum_j 0.8^j * loss_j.
+  Per-step loss = sum(weight * loss) / denominators[j], loss = `--loss` (losses.py: ce, kl, tv,
+  nla, lk_hybrid or a weighted mix); total = sum_j step_decay^j * loss_j (`--step-decay`, 0.8).
 
-The teacher is computed once per batch over the draft vocabulary (never the full-vocabulary
-probabilities per step; the full-vocab argmax is chunked); each step reads it through row indices
-(no shifted [T, V] copies); draft logits are produced and consumed chunk by chunk under activation
-checkpointing, so no [T, V] logits tensor is kept for backward.
+The teacher's draft-vocabulary logits are computed once per batch (full-vocabulary logits only
+chunk by chunk, for the argmax and the log-sum-exp); each step reads them through row indices
+(no shifted [T, V] copies) and forms probabilities per loss chunk; draft logits are produced and
+consumed chunk by chunk under activation checkpointing, so no [T, V] logits tensor is kept for
+backward.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.models.target import final_norm, soft_cap
+from eaglenest.train.losses import PROBS_CACHE_BYTES, LossSpec, TeacherRows, chunk_loss
+
+
+TEACHER_CHUNK_ELEMS = 1 << 27  # rows x full vocabulary of the teacher's transient logits (bf16: 256 MiB, its fp32 copy 512 MiB)
 
 
 @dataclass
@@ -38,7 +44,7 @@ class Teacher:
 
     norm_weight: torch.Tensor | None  # applied iff the stored final state is pre-norm
     norm_eps: float
-    lm_head: torch.Tensor  # [V, H] full target head (for the argmax)
+    lm_head: torch.Tensor  # [V, H] full target head (for the argmax and the full-vocabulary log-sum-exp)
     draft_rows: torch.Tensor  # [Vd] target ids of the draft vocabulary
     t2d: torch.Tensor  # [V] bool
     matmul_dtype: torch.dtype = torch.float32  # bf16 on CUDA: fp32 matmuls would cost ~2x the draft's step
@@ -49,34 +55,72 @@ class Teacher:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype, self.logit_softcap)
 
+    @property
+    def full_vocab(self) -> bool:
+        """The draft vocabulary is the target's whole vocabulary in its order (Kimi-K2.5's published
+        drafts): one head matmul gives the argmax too, and the mass inside is 1."""
+        return self.draft_rows.numel() == self.lm_head.shape[0]  # draft ids are sorted by target id (draft/vocab.py)
+
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self._w.get(self.matmul_dtype)
         if w is None:
             W = self.lm_head.to(self.matmul_dtype)
-            w = self._w[self.matmul_dtype] = (W, W[self.draft_rows])  # the draft rows once, not per batch
+            # the draft rows once, not per batch; no second copy of a full-vocabulary head
+            w = self._w[self.matmul_dtype] = (W, W if self.full_vocab else W[self.draft_rows])
         return w
 
     @torch.no_grad()
-    def targets(self, last_hidden: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """last_hidden [N, H] -> (teacher probabilities over the draft vocab [N, Vd] fp32, target argmax [N]).
-        Full-vocabulary logits exist one chunk at a time ([chunk, V], transient).  `argmax` (known
-        from an earlier epoch) skips the full-vocabulary head: on a small target it is most of the
-        teacher's cost (SmolLM2: V = 6x the 8K draft vocabulary)."""
-        chunk = chunk or (8192 if last_hidden.is_cuda else 2048)
+    def targets(self, last_hidden: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None,
+                mass: bool = False, log_mass: torch.Tensor | None = None) -> TeacherRows:
+        """last_hidden [N, H] -> TeacherRows: the draft-vocabulary logits [N, Vd] in the matmul dtype
+        (probabilities are formed per loss chunk, losses.py), the target's argmax [N] and, with
+        `mass`, log S [N] (S = the target's probability inside the draft vocabulary, from the
+        full-vocabulary log-sum-exp).  Full-vocabulary logits exist one chunk of rows at a time.
+        `argmax` / `log_mass` known from an earlier epoch skip the full-vocabulary head: on a small
+        target it is most of the teacher's cost (SmolLM2: V = 6x the 8K draft vocabulary).
+
+        Memory: see losses.loss_step_bytes (kept: N Vd b, b = 2 under bf16, + 12 N; + 4 N Vd for
+        the p^ cache only while that is at most PROBS_CACHE_BYTES; transient: TEACHER_CHUNK_ELEMS // V
+        rows of full-vocabulary logits).  Kimi-K2.5 (V = Vd = 163,840, bf16) at N = 8192: 2.5 GiB
+        kept, ~0 transient (one head matmul), where the previous fp32 probabilities kept 5 GiB and
+        its 8192-row chunks added 10 GiB (bench/results/loss_memory.json)."""
         W, Wd = self.heads()
-        N = last_hidden.shape[0]
-        probs = torch.empty(N, Wd.shape[0], dtype=torch.float32, device=last_hidden.device)
-        arg = torch.empty(N, dtype=torch.long, device=last_hidden.device) if argmax is None else argmax.to(last_hidden.device)
+        V = W.shape[0]
+        chunk = chunk or max(1, TEACHER_CHUNK_ELEMS // V)
+        N, dev = last_hidden.shape[0], last_hidden.device
+        full = self.full_vocab
+        logits = torch.empty(N, Wd.shape[0], dtype=self.matmul_dtype, device=dev)
+        arg = torch.empty(N, dtype=torch.long, device=dev) if argmax is None else argmax.to(dev)
+        lm = None if not mass else (torch.zeros(N, device=dev) if full or log_mass is None else log_mass.to(dev))
+        cache = None  # p^ once per micro-batch when small (TeacherRows.probs_cache)
+        if N * Wd.shape[0] * 4 <= PROBS_CACHE_BYTES:
+            cache = torch.empty(N, Wd.shape[0], dtype=torch.promote_types(self.matmul_dtype, torch.float32), device=dev)
+        head_pass = not full and (argmax is None or (mass and log_mass is None))
+        cap = self.logit_softcap
         for s in range(0, N, chunk):
             h = last_hidden[s : s + chunk].float()
             if self.norm_weight is not None:  # a pre-norm state (vLLM's): the target's own final norm first
                 h = final_norm(h, self.norm_weight.float(), self.norm_eps)
             h = h.to(self.matmul_dtype)
-            if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide); soft-capping is monotone
-                arg[s : s + chunk] = (h @ W.T).max(-1).indices
-            z = soft_cap((h @ Wd.T).float(), self.logit_softcap)
-            probs[s : s + chunk] = torch.softmax(z, dim=-1)  # once per batch, not per TTT step
-        return probs, arg
+            zd = logits[s : s + chunk]
+            torch.matmul(h, Wd.T, out=zd)
+            if cache is not None:
+                cache[s : s + chunk] = torch.softmax(soft_cap(zd.to(cache.dtype), cap), dim=-1)
+            if full and argmax is None:
+                arg[s : s + chunk] = self.draft_rows[zd.max(-1).indices]
+            if head_pass:
+                zf = h @ W.T
+                if argmax is None:  # max() not argmax(): ~3x faster on bf16 CPU logits (49K wide); soft-capping is monotone
+                    arg[s : s + chunk] = zf.max(-1).indices
+                if mass and log_mass is None:  # log S = lse(draft rows) - lse(all rows), <= 0 up to rounding
+                    lse_full = torch.logsumexp(soft_cap(zf.float(), cap), -1)
+                    del zf
+                    lm[s : s + chunk] = (torch.logsumexp(soft_cap(zd.float(), cap), -1) - lse_full).clamp_max_(0.0)
+        return TeacherRows(logits, arg, lm, cap, cache)
+
+
+STAT_KEYS = ("loss_sum", "correct", "count", "loss_count")
+ALPHA_KEYS = ("alpha_sum", "p_argmax_sum")  # over the counted tokens (metrics.summarize)
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -102,45 +146,19 @@ def denominators(loss_mask: torch.Tensor, ttt: int) -> torch.Tensor:
     return torch.stack([shift_left(loss_mask, 2 + j).float().sum() for j in range(ttt)])
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(p_i, softmax(z_i)) with its gradient written out: CE = lse(z) - p.z (the
-    teacher rows sum to 1), d/dz = w (softmax(z) - p).  Autograd's log_softmax -> mul -> sum keeps
-    and re-reads four [N, V] tensors per TTT step; this reads the logits ~4 times in all, which on
-    a CPU is most of a small draft's step outside the matmuls.  Also returns the draft's argmax
-    (max() on fp32 is ~4x faster than argmax() on bf16 on a CPU)."""
-
-    @staticmethod
-    def forward(ctx, logits, teacher, rows, w):
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        lse = torch.logsumexp(z, dim=-1)
-        ce = lse - torch.linalg.vecdot(z, teacher.index_select(0, rows).to(z.dtype))
-        ctx.save_for_backward(z, teacher, rows, w, lse)  # the teacher by reference: no per-step copy
-        ctx.in_dtype = logits.dtype
-        arg = z.max(dim=-1).indices
-        ctx.mark_non_differentiable(arg)
-        return (ce * w).sum(), arg
-
-    @staticmethod
-    def backward(ctx, g, _g_arg):
-        z, teacher, rows, w, lse = ctx.saved_tensors
-        z = z.clone() if z.dtype == ctx.in_dtype else z  # z aliases the logits: do not overwrite them
-        grad = z.sub_(lse[:, None]).exp_().sub_(teacher.index_select(0, rows).to(z.dtype)).mul_((w.to(z.dtype) * g)[:, None])
-        return grad.to(ctx.in_dtype), None, None, None
-
-
-def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor, trows: torch.Tensor, w: torch.Tensor):
-    """Soft cross-entropy of the kept rows of one contiguous chunk of hidden states.  The teacher
-    rows are gathered inside, so neither a checkpoint nor autograd keeps a [chunk, V] copy of them."""
+def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, rows: torch.Tensor, teacher: TeacherRows, trows: torch.Tensor, w: torch.Tensor,
+                loss: LossSpec, want_alpha: bool):
+    """The loss of the kept rows of one contiguous chunk of hidden states (losses.chunk_loss).  The
+    teacher rows are gathered inside, so neither a checkpoint nor autograd keeps a [chunk, V] copy of them."""
     logits = draft.logits(h.index_select(0, rows))
-    return SoftCrossEntropy.apply(logits, teacher, trows, w)
+    return chunk_loss(logits, teacher, trows, w, loss, want_alpha)
 
 
 def ttt_forward(
     draft: Eagle3Draft,
     input_ids: torch.Tensor,  # [B, T] int64
     aux: torch.Tensor,  # [B, T, 3H]
-    teacher_probs: torch.Tensor,  # [B, T, Vd] fp32 (from Teacher.targets, reshaped)
-    teacher_argmax: torch.Tensor,  # [B, T] target ids
+    teacher: TeacherRows,  # B*T rows (Teacher.targets of the batch's final states, flattened)
     loss_mask: torch.Tensor,  # [B, T]
     ttt: int,
     denom: torch.Tensor,  # [ttt] normalizers (global over the optimizer step)
@@ -149,8 +167,12 @@ def ttt_forward(
     checkpoint_logits: bool = True,
     attn_impl="eager",
     recompute: bool = False,
+    loss: LossSpec = LossSpec(),
+    want_alpha: bool = False,
 ) -> tuple[torch.Tensor, dict]:
-    """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens).
+    """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens; with
+    `want_alpha` or a loss that computes it, also the sums of alpha and of p(draft argmax), see
+    losses.chunk_loss, over the counted tokens).
 
     attn_impl: "eager" (reference, materializes [T, T] scores), "chunked" or "flex", or a kernel
     object from eaglenest.draft.kernels.causal_kernel (the trainer keeps one: flex's compiled
@@ -160,16 +182,20 @@ def ttt_forward(
     dev = input_ids.device
     kernel = causal_kernel(attn_impl) if isinstance(attn_impl, str) else attn_impl
     pos = torch.arange(T, device=dev).expand(B, T)
+    B_T = B * T
+    if teacher.view_rows() != B_T:
+        raise ValueError(f"teacher has {teacher.view_rows()} rows for a [{B}, {T}] batch")
+    teacher_argmax = teacher.argmax.view(B, T)
     in_draft = draft.t2d[teacher_argmax]
+    alpha_stats = want_alpha or loss.needs_alpha
     weights = step_weights(loss_mask, in_draft, ttt)
     hidden = draft.fuse(aux)
     past_diag: list[tuple[torch.Tensor, torch.Tensor]] = []
     ctx_kv = None
     grad = torch.is_grad_enabled()
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    teacher = teacher_probs.reshape(B * T, -1)  # a view: never shifted or copied per step
-    targ = teacher_argmax.reshape(-1)
-    per_step = []  # (loss_sum, correct, count, loss_count) as tensors: one host sync at the end
+    targ = teacher.argmax  # the teacher is read through row indices: never shifted or copied per step
+    per_step = []  # (loss_sum, correct, count, loss_count[, alpha_sum, p_argmax_sum]) as tensors: one host sync at the end
     for j in range(ttt):
         tok = shift_left(input_ids, 1 + j)
         # step 0: its own keys causally; step j: step 0's keys causally + key t of steps 1..j
@@ -186,6 +212,7 @@ def ttt_forward(
         wf, mf = w.reshape(-1), m.reshape(-1)
         loss_sum = h.new_zeros((), dtype=total.dtype)
         correct = h.new_zeros((), dtype=torch.float32)
+        acc_t1 = h.new_zeros(2, dtype=torch.float64)  # sums of alpha and of p(draft argmax)
         keep = (mf > 0).nonzero(as_tuple=True)[0]  # only positions that count: saves lm_head work
         bounds = torch.searchsorted(keep.cpu(), torch.arange(0, B * T + chunk, chunk)).tolist()
         for c, hc in enumerate(h.reshape(B * T, -1).split(chunk)):  # views; one cat in backward
@@ -194,16 +221,19 @@ def ttt_forward(
                 continue
             rows = keep[a:b]
             trows = rows + 1 + j  # teacher P_{t+1+j} (in range: the mask is 0 where t+2+j >= T)
-            args = (hc, rows - c * chunk, teacher, trows, wf[rows])
+            args = (hc, rows - c * chunk, teacher, trows, wf[rows], loss, want_alpha)
             if checkpoint_logits and grad:
-                ls, am = checkpoint(_chunk_loss, draft, *args, use_reentrant=False)
+                ls, am, al, pa = checkpoint(_chunk_loss, draft, *args, use_reentrant=False)
             else:
-                ls, am = _chunk_loss(draft, *args)
+                ls, am, al, pa = _chunk_loss(draft, *args)
             loss_sum = loss_sum + ls
             correct = correct + ((draft.to_target_ids(am) == targ[trows]).float() * mf[rows]).sum()
+            if alpha_stats:
+                acc_t1 += torch.stack([al, pa]).double() @ mf[rows].double()
         total = total + (step_decay**j) * loss_sum / denom[j].clamp_min(1.0)
-        per_step.append(torch.stack([loss_sum.detach(), correct, m.sum(), w.sum()]).double())
+        per_step.append(torch.cat([torch.stack([loss_sum.detach(), correct, m.sum(), w.sum()]).double(), acc_t1]))
         hidden = draft.feedback(h)
     vals = torch.stack(per_step).tolist()
-    stats = {k: [v[i] for v in vals] for i, k in enumerate(("loss_sum", "correct", "count", "loss_count"))}
+    keys = STAT_KEYS + (ALPHA_KEYS if alpha_stats else ())
+    stats = {k: [v[i] for v in vals] for i, k in enumerate(keys)}
     return total, stats

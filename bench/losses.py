@@ -1,0 +1,153 @@
+"""Training losses side by side on the demo's recipe (issue 24.4): ce vs lk_hybrid vs nla (vs tv),
+one run each, the same data, steps and seed (bench/arms.py), each decoded on all 80 MT-bench first
+turns at temperature 0 and 1 (3 steps, topk 1, 128 tokens; at temperature 1 the draft's tokens are
+sampled and verified with min(1, p/q)), with the tau the training log predicted beside the decoded.
+
+Predicted tau, two ways, per arm: from the held-out ShareGPT split at the end of training
+(`final.json`: accept at T0 = argmax agreement, at T1 = alpha), and on an MT-bench proxy: the 80
+prompts followed by the target's own answers -- greedy (the T0 decode of arm `l-ce`: greedy output
+equals plain greedy) for T0, sampled (its T1 decode: lossless, so these are target samples) for
+T1 -- captured like training data and scored teacher-forced (bench/tau_levers.py `mt`).
+
+Run as resumable pieces (each under /work/team/heavy, logs beside the arms):
+    python bench/losses.py train l-ce          # one arm's training (skipped when done)
+    python bench/losses.py eval l-ce           # its two decodes (each skipped when done)
+    python bench/losses.py proxy               # the MT-bench proxies, from l-ce's decodes
+    python bench/losses.py report              # -> bench/results/losses.json
+Work directory: $EAGLENEST_BENCH_WORK (the team's shared demo store: /work/scratch/shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+ARMS = {  # name -> the train flags added to the demo's recipe
+    "l-ce": ["--loss", "ce"],
+    "l-lkhybrid": ["--loss", "lk_hybrid", "--lk-eta", "3.0"],
+    "l-nla": ["--loss", "nla"],
+    "l-tv": ["--loss", "tv"],
+}
+TEMPERATURES = (0.0, 1.0)
+PRESET = "full"
+
+
+def train(name: str) -> None:
+    from arms import train_arm
+
+    train_arm(name, ARMS[name], PRESET)
+
+
+def evaluate(name: str) -> None:
+    from arms import eval_arm
+
+    for t in TEMPERATURES:
+        r = eval_arm(name, t, PRESET)
+        print(f"{name} T={t:g}: tau {r['tau']:.3f}, accept per position {r['accept_per_position']}", file=sys.stderr)
+
+
+def proxy_dirs() -> dict[float, Path]:
+    from arms import work_root
+
+    return {t: work_root(PRESET) / "losses-proxy" / f"t{t:g}" for t in TEMPERATURES}
+
+
+def _report(name: str, t: float) -> Path:
+    from arms import arm_dir
+
+    return arm_dir(name, PRESET) / f"eval-t{t:g}-n80-m128-s3-seed0.json"
+
+
+def proxy() -> None:
+    """The MT-bench proxies from l-ce's decodes (the prompts + the target's own answers)."""
+    import tau_levers
+
+    for t, d in proxy_dirs().items():
+        if not (d / "features" / "store.json").exists():
+            tau_levers.proxy(argparse.Namespace(report=str(_report("l-ce", t)), out=str(d)))
+
+
+def proxy_eval(name: str, t: float) -> dict:
+    """The arm's final checkpoint scored teacher-forced on the proxy at temperature t (cached)."""
+    import tau_levers
+    from arms import arm_dir
+
+    out = arm_dir(name, PRESET) / f"proxy-t{t:g}.json"
+    if not out.exists():
+        ev = tau_levers.proxy_eval(arm_dir(name, PRESET) / "run", proxy_dirs()[t] / "features", arm_dir(name, PRESET) / "_proxy")
+        out.write_text(json.dumps(ev, indent=2) + "\n")
+    return json.loads(out.read_text())
+
+
+def _r(x, n=4):
+    return None if x is None else (round(x, n) if isinstance(x, float) else [round(v, n) for v in x])
+
+
+def report(names: list[str]) -> None:
+    from arms import arm_summary
+    from common import write_result
+
+    arms = {}
+    for name in names:
+        s = arm_summary(name, PRESET)
+        ev = s["final_eval"]
+        decoded = {}
+        for t in TEMPERATURES:
+            r = json.loads(_report(name, t).read_text())
+            px = proxy_eval(name, t)
+            key = "t0" if t == 0 else "t1"
+            pred_held = ev["tau_t0"] if t == 0 else ev["tau_t1"]
+            pred_proxy = px["tau_t0"] if t == 0 else px["tau_t1"]
+            decoded[key] = {
+                "tau": _r(r["tau"]), "accept_per_position": _r(r["accept_per_position"]), "prompts": r["n_prompts"],
+                "verify_steps": r["verify_steps"], "verified_tokens": r["verified_tokens"], "temperature": r["temperature"],
+                "draft_sampling": r.get("draft_sampling"), "max_new_tokens": r["max_new_tokens"], "steps": r["steps"],
+                "predicted_tau_heldout": _r(pred_held), "predicted_tau_mtbench_proxy": _r(pred_proxy),
+                "gap_heldout": _r(pred_held / r["tau"] - 1), "gap_mtbench_proxy": _r(pred_proxy / r["tau"] - 1),
+                "proxy_accept_per_position": _r(px["acc"] if t == 0 else px["alpha"]),
+                "proxy_texts": px["n_samples"],
+            }
+        arms[name] = {
+            "flags": ARMS[name], "steps": s["steps"], "train_wall_s": _r(s["timing"]["wall_s"], 1) if s["timing"] else None,
+            "heldout": {"acc": _r(ev["acc"]), "alpha": _r(ev["alpha"]), "alpha_argmax": _r(ev["alpha_argmax"]),
+                        "tau_t0": _r(ev["tau_t0"]), "tau_t1": _r(ev["tau_t1"]), "tau_t1_argmax": _r(ev["tau_t1_argmax"]),
+                        "loss": _r(ev["loss"])},
+            "decoded": decoded,
+        }
+    base = arms.get("l-ce")
+    for a in arms.values():
+        if base:
+            a["tau_vs_ce"] = {k: _r(a["decoded"][k]["tau"] / base["decoded"][k]["tau"] - 1) for k in ("t0", "t1")}
+    write_result("losses", {
+        "what": "draft trained with each loss on the demo's recipe (same data, steps, seed), decoded on MT-bench first turns",
+        "recipe": "eaglenest demo full preset (bench/arms.py train_flags) + the arm's --loss",
+        "decode": {"prompts": 80, "turns": 1, "steps": 3, "topk": 1, "max_new_tokens": 128, "temperatures": list(TEMPERATURES),
+                   "draft_sampling_t1": "sample", "engine": "hf (in-process decoder)"},
+        "arms": arms,
+    })
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["train", "eval", "proxy", "report"])
+    ap.add_argument("names", nargs="*", help=f"arms (of {', '.join(ARMS)}); report: default all that finished")
+    a = ap.parse_args()
+    if a.what in ("train", "eval"):
+        for n in a.names:
+            (train if a.what == "train" else evaluate)(n)
+    elif a.what == "proxy":
+        proxy()
+    else:
+        from arms import arm_dir
+
+        report(a.names or [n for n in ARMS if (arm_dir(n, PRESET) / "run" / "final.json").exists()])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""README block `losses`: the training losses side by side on the demo's recipe (bench/losses.py)."""
+
+from __future__ import annotations
+
+FILES = ["losses.json"]
+
+
+def _pos(xs) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def render(results: dict[str, dict]) -> str:
+    r = results["losses.json"]
+    d = r["decode"]
+    head = [
+        "| arm (`--loss`) | train wall | held-out accept T=0, per position | held-out α (T=1) | τ T=0: predicted held-out / MT proxy → "
+        "**decoded** | τ T=1: predicted held-out / MT proxy → **decoded** | decoded vs `ce` (T=0 / T=1) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for name, a in r["arms"].items():
+        h, t0, t1 = a["heldout"], a["decoded"]["t0"], a["decoded"]["t1"]
+        vs = a.get("tau_vs_ce")
+        rows.append(
+            f"| {name} (`{' '.join(a['flags'][1:])}`) | {a['train_wall_s'] / 60:.1f} min | {_pos(h['acc'])} | {_pos(h['alpha'])} | "
+            f"{t0['predicted_tau_heldout']:.3f} / {t0['predicted_tau_mtbench_proxy']:.3f} → **{t0['tau']:.3f}** | "
+            f"{t1['predicted_tau_heldout']:.3f} / {t1['predicted_tau_mtbench_proxy']:.3f} → **{t1['tau']:.3f}** | "
+            + (f"{_pct(vs['t0'])} / {_pct(vs['t1'])} |" if vs and name != "l-ce" else "— |"))
+    gaps = "; ".join(
+        f"{n}: held-out {_pct(a['decoded']['t0']['gap_heldout'])} / {_pct(a['decoded']['t1']['gap_heldout'])}, "
+        f"MT proxy {_pct(a['decoded']['t0']['gap_mtbench_proxy'])} / {_pct(a['decoded']['t1']['gap_mtbench_proxy'])}"
+        for n, a in r["arms"].items())
+    ce = r["arms"]["l-ce"]["decoded"]
+    return (
+        f"{r['recipe']}; one run per arm, the same data, steps ({r['arms']['l-ce']['steps']:,}) and seed. Decoded: "
+        f"{d['prompts']} MT-bench first turns, {d['max_new_tokens']} new tokens, {d['steps']} steps, topk {d['topk']}, "
+        f"{d['engine']}; at T=1 the draft's tokens are sampled and verified with min(1, p/q) "
+        f"(`bench/results/losses.json`, `bench/losses.py`):\n\n" + "\n".join(head + rows) + "\n\n"
+        f"Predicted minus decoded τ, relative (T=0 / T=1): {gaps}. The `ce` arm's decodes: T=0 "
+        f"{ce['t0']['verified_tokens']:,} tokens in {ce['t0']['verify_steps']:,} verification steps, T=1 "
+        f"{ce['t1']['verified_tokens']:,} in {ce['t1']['verify_steps']:,}.\n")
