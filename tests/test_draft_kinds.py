@@ -21,7 +21,7 @@ from eaglenest import EaglenestError
 from eaglenest.draft import kernels
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
-from eaglenest.train.ttt import denominators, ttt_forward
+from eaglenest.train.ttt import TeacherRows, denominators, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -150,7 +150,7 @@ def test_ttt_equals_the_slow_reference_for_each_kind(kind, rope):
     lengths, ttt = [9, 6], 3
     ids, mask, aux, tlogp, targ = make_batch(d, lengths)
     denom = denominators(mask, ttt)
-    fast, _ = ttt_forward(d, ids, aux, tlogp.exp(), targ, mask, ttt, denom, chunk=4)
+    fast, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, ttt, denom, chunk=4)
     params = list(d.parameters())
     g_fast = torch.autograd.grad(fast, params)
     ref = sum(reference_loss(d, ids[b, :L], aux[b, :L], tlogp[b, :L], targ[b, :L], mask[b, :L], ttt, denom) for b, L in enumerate(lengths))
@@ -166,8 +166,8 @@ def test_norm_output_changes_what_the_next_step_reads():
     (the fed-back state is the only difference), and feedback() is norm(h) exactly."""
     a, b = tiny(KINDS["eagle31"]), tiny({"fc_norm": True})
     ids, mask, aux, tlogp, targ = make_batch(a, [12])
-    _, sa = ttt_forward(a, ids, aux, tlogp.exp(), targ, mask, 3, denominators(mask, 3))
-    _, sb = ttt_forward(b, ids, aux, tlogp.exp(), targ, mask, 3, denominators(mask, 3))
+    _, sa = ttt_forward(a, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3))
+    _, sb = ttt_forward(b, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3))
     assert sa["loss_sum"][0] == pytest.approx(sb["loss_sum"][0], rel=1e-12)
     assert sa["loss_sum"][1] != pytest.approx(sb["loss_sum"][1], rel=1e-6)
     h = torch.randn(2, 5, 32, dtype=torch.float64)
@@ -184,7 +184,7 @@ def test_kernels_take_values_of_another_width(kind):
     ids, mask, aux, tlogp, targ = b
 
     def run(impl):
-        loss, _ = ttt_forward(d, ids, aux, tlogp.exp(), targ, mask, 3, denominators(mask, 3), attn_impl=impl)
+        loss, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3), attn_impl=impl)
         return loss, torch.autograd.grad(loss, list(d.parameters()))
 
     (le, ge), (lc, gc) = run("eager"), run(kernels.ChunkedCausal(chunk_elems=64))
@@ -192,7 +192,7 @@ def test_kernels_take_values_of_another_width(kind):
     for x, y in zip(ge, gc):
         assert torch.allclose(x, y, rtol=1e-7, atol=1e-11)
     with torch.no_grad():  # flex has no CPU backward; its forward runs eager here
-        lf, _ = ttt_forward(d, ids, aux, tlogp.exp(), targ, mask, 3, denominators(mask, 3), attn_impl=kernels.FlexCausal(compile=False))
+        lf, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3), attn_impl=kernels.FlexCausal(compile=False))
     assert torch.allclose(le.detach(), lf, rtol=1e-10)
 
 
