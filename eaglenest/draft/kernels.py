@@ -48,6 +48,27 @@ def eager_attention(qg, k, v, mask, diag_kv, scale: float):
     return out
 
 
+def block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale: float):
+    """DFlash's attention: each block of queries sees a prefix of the context keys and every key of
+    its own block (non-causal inside the block), nothing of other blocks.
+
+    qg [B, kv, g, N, S, hd] (N blocks of S queries), ctx_k/ctx_v [B, kv, T, hd], blk_k/blk_v
+    [B, kv, N, S, hd], ctx_visible [B, N] int: block n sees context keys 0..ctx_visible[b, n]-1.
+    Materializes [.., N*S, T] context scores (fine for CPU-sized batches; a decoding round has N = 1)."""
+    B, n_kv, g, N, S, hd = qg.shape
+    T = ctx_k.shape[2]
+    acc = torch.promote_types(qg.dtype, torch.float32)
+    q = qg.reshape(B, n_kv, g, N * S, hd)
+    sc = torch.matmul(q, ctx_k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale  # [B, kv, g, N*S, T]
+    seen = torch.arange(T, device=qg.device)[None, None, :] < ctx_visible[:, :, None]  # [B, N, T]
+    seen = seen[:, :, None, :].expand(B, N, S, T).reshape(B, 1, 1, N * S, T)
+    sc = sc.masked_fill(~seen, float("-inf")).view(B, n_kv, g, N, S, T)
+    sb = torch.matmul(qg, blk_k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale  # [B, kv, g, N, S, S]
+    p = torch.softmax(torch.cat([sc, sb], dim=-1), dim=-1).to(ctx_v.dtype)  # a block's own keys: never all masked
+    out = torch.matmul(p[..., :T].reshape(B, n_kv, g, N * S, T), ctx_v.unsqueeze(2)).view(B, n_kv, g, N, S, hd)
+    return out + torch.matmul(p[..., T:], blk_v.unsqueeze(2))
+
+
 def merge_diagonal(out_c, lse_c, qg, diag_kv, scale: float):
     """Exact merge of the diagonal keys into a causal result (out_c, lse_c):
     out = (e^lse_c out_c + sum_i e^s_i v_i) / (e^lse_c + sum_i e^s_i)."""

@@ -59,6 +59,12 @@ class DraftConfig:
     eos_token_id: int | list[int] | None = None
     target_architecture: str | None = None  # the target's class: the engines' layer-id rules depend on it (export/layer_ids.py)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden): the speculators format's variant (vLLM only)
+    # the draft kind: "eagle3" (this file) or "dflash" (draft/dflash.py: `aux_layer_ids` are its target layers, any
+    # count); configs written before the field existed are EAGLE-3 drafts
+    kind: str = "eagle3"
+    num_hidden_layers: int = 1  # decoder layers (EAGLE-3: exactly one)
+    block_size: int = 0  # DFlash: tokens per drafted block (anchor + block_size - 1 masks); 0 for EAGLE-3
+    mask_token_id: int | None = None  # DFlash: the target token whose (frozen) embedding marks a masked slot
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None) -> "DraftConfig":

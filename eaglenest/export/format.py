@@ -15,6 +15,9 @@ rule (export/layer_ids.py); omitted when the engines' defaults are those layers.
 Other trainers' drafts (SpecForge, TorchSpec: `midlayer.*`, maybe the target's `embed_tokens`;
 speculators: `layers.0.*` + `transformer_layer_config`) are read into the same DraftConfig;
 export/check.py judges how each engine will use them.
+
+DFlash drafts (`DraftConfig.kind == "dflash"`) have their own layout and config: export/dflash.py;
+the functions below dispatch on the kind.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ WEIGHT_DTYPE = torch.bfloat16
 
 
 def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if cfg.kind == "dflash":
+        from eaglenest.export import dflash
+
+        return dflash.expected_tensors(cfg, WEIGHT_DTYPE)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     w = WEIGHT_DTYPE
@@ -61,6 +68,10 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
+    if cfg.kind == "dflash":
+        from eaglenest.export import dflash
+
+        return dflash.hf_config(cfg, extra, engines)
     rope = dict(cfg.rope_parameters)
     rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -145,6 +156,10 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     raw = read_json(draft_dir / "config.json", "draft config")
     if "eaglenest" in raw and "draft_config" in raw["eaglenest"]:
         return raw, DraftConfig.from_dict(raw["eaglenest"]["draft_config"])
+    if is_dflash(raw):
+        from eaglenest.export import dflash
+
+        return raw, dflash.read_config(raw, draft_dir)
     f = flat_config(raw)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in f]
     if missing:
@@ -172,6 +187,12 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     return raw, cfg
 
 
+def is_dflash(raw: dict) -> bool:
+    """A DFlash draft's config.json (ours or another trainer's)."""
+    ours = ((raw.get("eaglenest") or {}).get("draft_config") or {}).get("kind")
+    return ours == "dflash" or "DFlashDraftModel" in (raw.get("architectures") or []) or "dflash_config" in raw
+
+
 def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftConfig:
     """Fill a draft's trained layers and target layer count for an N-layer target (export/layer_ids.py
     `trained_layers`: our record, else the other trainer's convention, else the canonical layers)."""
@@ -182,14 +203,17 @@ def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftCon
     return cfg
 
 
-def read_draft_tensors(draft_dir: Path | str) -> dict[str, torch.Tensor]:
-    """The draft's tensors under our names (speculators' `layers.0.` is our `midlayer.`)."""
+def read_draft_tensors(draft_dir: Path | str, kind: str = "eagle3") -> dict[str, torch.Tensor]:
+    """The draft's tensors under our names (EAGLE-3: speculators' `layers.0.` is our `midlayer.`;
+    DFlash keeps `layers.N.`)."""
     path = Path(draft_dir) / "model.safetensors"
     if not path.exists():
         raise EaglenestError(f"{path} not found: not an exported draft")
+    rename = kind == "eagle3"
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): f.get_tensor(k) for k in f.keys()}
+            return {(k.replace("layers.0.", "midlayer.", 1) if rename and k.startswith("layers.0.") else k): f.get_tensor(k)
+                    for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a torn or foreign file
         raise EaglenestError(f"{path}: cannot read the weights ({type(e).__name__}: {e})") from None
 
@@ -218,14 +242,17 @@ def load_draft(
         )
     if target_config is not None:
         resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)
-    tensors = read_draft_tensors(draft_dir)
+    tensors = read_draft_tensors(draft_dir, cfg.kind)
     tensors.pop("embed_tokens.weight", None)
-    model = Eagle3Draft(cfg, embed_weight=embed_weight)
+    from eaglenest.draft import draft_model
+
+    model = draft_model(cfg, embed_weight=embed_weight)
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity mapping
         model.set_vocab(torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool))
         tensors.update(d2t=model.d2t, t2d=model.t2d)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens", "rotary"))]
     if missing or unexpected:
-        raise EaglenestError(f"{draft_dir}: draft weights do not match the EAGLE-3 layout (missing {missing}, unexpected {unexpected})")
+        raise EaglenestError(f"{draft_dir}: draft weights do not match the {'DFlash' if cfg.kind == 'dflash' else 'EAGLE-3'} layout "
+                             f"(missing {missing}, unexpected {unexpected})")
     return model.to(device=device, dtype=dtype).eval()

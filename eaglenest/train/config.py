@@ -32,7 +32,23 @@ class TrainConfig:
     online_timeout: float = option(600.0, "with --online: seconds the loop waits for a step's micro-batches before it "
                                    "stops (checkpoint saved) saying the engine is not answering (with --prefetch >= 1; "
                                    "set-up and evaluation captures are bounded by the engine's own timeouts)")
-    ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
+    draft_kind: str = option("eagle3", "the draft to train: eagle3 (one layer, chain/tree drafting step by step, training-time "
+                             "test) or dflash (a block drafter, arXiv 2602.06036: --draft-layers layers over the target states of "
+                             "the store's layers, one forward per block of --block-size tokens)", choices=["eagle3", "dflash"])
+    ttt_steps: int = option(7, "eagle3: unrolled draft steps (k) of training-time test")
+    block_size: int = option(16, "dflash: tokens per drafted block (the anchor + block_size - 1 drafted tokens; vLLM serves it "
+                             "with num_speculative_tokens = block_size - 1)")
+    draft_layers: int = option(1, "decoder layers of the draft (dflash: any number; eagle3: one, see draft/shape.py)")
+    dflash_anchors: int = option(64, "dflash: anchor positions drawn per sample and step (each trains one block)")
+    dflash_loss: str = option("ce", "dflash: ce = hard-label cross-entropy on the block's tokens, weighted by --dflash-decay; "
+                              "dpace = D-PACE position weights (arXiv 2605.18810: the gradient of the expected accepted length)",
+                              choices=["ce", "dpace"])
+    dflash_decay: float | None = option(None, "dflash ce: block slot k weighs exp(-(k-1)/gamma); default the paper's gamma for the "
+                                        "block size (7 for 16, 5 for 10, 4 for 8); 0 = no decay")
+    dpace_alpha: float = option(0.5, "dflash dpace: smoothing of the draft's probabilities in the weights, in [0, 1]")
+    mask_token_id: int | None = option(None, "dflash: the target token whose embedding marks a masked slot (default: the "
+                                       "tokenizer's mask token, else its last special token that is not a chat-template, bos, eos "
+                                       "or pad token)")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")
     max_steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -73,7 +89,7 @@ class TrainConfig:
     extra: dict = option(default_factory=dict, help="free-form notes kept in RUN_DIR/config.json", cli=False)
 
     def validate(self) -> None:
-        for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len"):
+        for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "draft_layers", "dflash_anchors"):
             if getattr(self, name) <= 0:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
         if not 0 <= self.eval_fraction < 1:
@@ -86,6 +102,13 @@ class TrainConfig:
             raise EaglenestError("--features FEAT_DIR is required (or --online --data DATA_DIR to capture while training)")
         if self.online_timeout <= 0 or (self.max_failures is not None and self.max_failures < 0):
             raise EaglenestError(f"--online-timeout must be positive and --max-failures >= 0 (got {self.online_timeout}, {self.max_failures})")
+        if self.draft_kind not in ("eagle3", "dflash"):
+            raise EaglenestError(f"--draft-kind must be eagle3 or dflash (got {self.draft_kind})")
+        if self.draft_kind == "eagle3" and self.draft_layers != 1:
+            raise EaglenestError(f"--draft-layers {self.draft_layers}: an EAGLE-3 draft has one layer (the engines normalize the "
+                                 "input of deeper layers differently, draft/shape.py); use --draft-kind dflash for several")
+        if self.draft_kind == "dflash" and self.block_size < 2:
+            raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {self.block_size}")
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
         if self.freeze_head and self.init_head != "target":
@@ -100,4 +123,5 @@ class TrainConfig:
 # A resumed run replays the data order and continues the model and optimizer of its checkpoint:
 # these options decide them, so `--resume` with a different value is refused (the model's shape
 # is checked through the draft config, the target and the store through their fingerprints).
-RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head")
+RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head",
+                "draft_kind", "dflash_anchors")

@@ -1,4 +1,4 @@
-"""The EAGLE-3 training loop, top to bottom: set-up from its pieces -> (resume) -> steps -> eval
+"""The training loop (EAGLE-3 and DFlash drafts), top to bottom: set-up from its pieces -> (resume) -> steps -> eval
 -> checkpoints.
 
 One optimizer step = `grad_accum` micro-batches (global, across ranks).  Each micro-batch's loss
@@ -11,7 +11,8 @@ The pieces, each tested on its own: distributed.py (process group, collectives),
 (vocabulary, model, teacher, optimizer, schedule), data.py + loader.py (order, prefetched
 reading), online.py (the same data captured by an engine while training, `--online`),
 checkpoint.py (run directory, checkpoints, resume rules), metrics.py (JSONL, TensorBoard),
-ttt.py (the loss).
+objective.py (what a step minimizes per draft kind: ttt.py's training-time test for EAGLE-3, the
+block objective for DFlash).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from eaglenest.train.setup import (
     store_fingerprint,
     vocab_counts,
 )
-from eaglenest.train.ttt import denominators, ttt_forward
+from eaglenest.train.objective import make_objective
 from eaglenest.utils import atomic_write_json, progress, read_json, release_free_heap
 
 __all__ = ["ARGMAX_CACHE_TOKENS", "TrainConfig", "Trainer", "estimate_activation_bytes", "lr_lambda", "summarize"]
@@ -129,6 +130,10 @@ class Trainer:
         d2t, t2d = self._vocab(tcfg, resuming)
         rows = draft_ids_to_target(d2t)
         dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape)
+        if cfg.draft_kind == "dflash":
+            from eaglenest.draft.dflash import dflash_config
+
+            dcfg = dflash_config(dcfg, cfg)
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
@@ -142,13 +147,13 @@ class Trainer:
             self.dist.barrier()  # the log is trimmed before any rank appends to it
         fc_rms = None
         if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
-            fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(3 * meta.hidden_size)
+            fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(len(meta.layer_ids) * meta.hidden_size)
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
         self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
                                  fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
-        self.teacher = build_teacher(head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"],
-                                     logit_softcap=head["logit_softcap"],
-                                     bf16=self.autocast).to(self.device)
+        self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
+            head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
+            bf16=self.autocast).to(self.device)
         self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
@@ -176,10 +181,14 @@ class Trainer:
         self.step = 0
         # online: failed training samples so far (--max-failures counts those of a resumed run's earlier steps too)
         self.n_failed = sum(self.failures.summary(self.ckpt.latest_step()).get("train", {}).values()) if cfg.online and resuming else 0
-        # micro-batch -> the target's argmax per position (host RAM, int32), reused by later epochs;
-        # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
-        self._argmax: dict[tuple, torch.Tensor] = {}
-        self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
+        # EAGLE-3 caches the target's argmax per micro-batch (host RAM, int32) for later epochs: only
+        # when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
+        self.objective = make_objective(cfg, dcfg, teacher=self.teacher, device=self.device, autocast=self.autocast,
+                                        attn=self.attn, recompute=self._recompute,
+                                        argmax_room=ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0)
+        if dcfg.kind == "dflash":
+            self.objective.bind(self.model.t2d)
+        self.P = self.objective.positions  # per-position statistics (TTT steps or block slots)
 
         if resuming:
             self.step = self.ckpt.load(self.model, self.opt, self.sched)
@@ -278,34 +287,9 @@ class Trainer:
         return self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor):
-        dev = self.device
-        nb = self.device_type == "cuda"  # pinned by the loader: the copies overlap
-        # micro-batches keep their samples every epoch: the target's argmax is computed once per batch
-        known = self._argmax.get(key)
-        last = b.last.to(dev, non_blocking=nb)
-        tprobs, targ = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if known is None else known.long())
-        if known is None and key is not None and targ.numel() <= self._argmax_room:
-            self._argmax[key] = targ.to("cpu", torch.int32)
-            self._argmax_room -= targ.numel()
-        B, T = b.input_ids.shape
-        cuda = self.device_type == "cuda"
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, stats = ttt_forward(
-                self.model,
-                b.input_ids.to(dev, non_blocking=nb),
-                b.aux.to(dev, non_blocking=nb).to(torch.bfloat16 if self.autocast else torch.float32),
-                tprobs.view(B, T, -1),
-                targ.view(B, T),
-                b.loss_mask.to(dev, non_blocking=nb),
-                self.cfg.ttt_steps,
-                denom.to(dev),
-                chunk=self.cfg.logits_chunk or (4096 if cuda else 1024),
-                checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
-                attn_impl=self.attn,
-                recompute=self._recompute(B * T),
-            )
-        return loss, stats, b.n_tokens
+    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, step: int | None = None):
+        """(loss, per-position stats, tokens) of one micro-batch: the draft kind's objective (objective.py)."""
+        return self.objective.forward(self.model, b, key, denom, self.step if step is None else step)
 
     def _recompute(self, tokens: int) -> bool:
         if self.cfg.recompute != "auto":
@@ -321,14 +305,15 @@ class Trainer:
             return None
         self.model.eval()
         tot = {"loss_sum": 0, "correct": 0, "count": 0, "loss_count": 0}
-        per = [dict(tot) for _ in range(self.cfg.ttt_steps)]
+        per = [dict(tot) for _ in range(self.P)]
         for idx in self.eval_batches:
             b = self.source.load_batch(idx, self.step) if self.cfg.online else self.source.load_batch(idx)
             if b is None:  # online: none of its samples arrived (recorded)
                 continue
             key = tuple(idx) if b.input_ids.shape[0] == len(idx) else None  # online: not all arrived, no argmax cache
-            _, stats, _ = self._forward(b, key, denominators(b.loss_mask, self.cfg.ttt_steps))
-            for j in range(self.cfg.ttt_steps):
+            # held-out: step None = the objective's fixed evaluation draw (the same anchors at every eval)
+            _, stats, _ = self._forward(b, key, self.objective.denominators(b, None), step=None)
+            for j in range(self.P):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
         self.model.train()
@@ -364,7 +349,7 @@ class Trainer:
                                "grad_norm": gnorm, "tokens": n_tok, "data_wait_s": round(t_wait, 4)}
                         if n_tok == 0:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
-                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)]), "train_"))
+                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(self.P)]), "train_"))
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
                             last_eval = self.evaluate()
@@ -455,13 +440,20 @@ class Trainer:
               + (f"; engine requests of rank 0: {describe(requests)}" if requests else ""), file=sys.stderr)
         return {"failures": failures, "requests": {k: v for k, v in requests.items() if k != "records"} if requests else None}
 
+    def _step_denominators(self, data: StepData) -> torch.Tensor:
+        """This rank's loss normalizers of the step: the loader's TTT ones for EAGLE-3, else the objective's."""
+        if self.model.cfg.kind == "eagle3":
+            return data.denom
+        return sum((self.objective.denominators(b, self.step) for b in data.batches), torch.zeros(2, dtype=torch.float64))
+
     def optimizer_step(self, data: StepData) -> tuple[float, int, dict, float]:
         """One optimizer step over this rank's micro-batches of a step (`self.source.load(step)`):
         (loss, tokens, per-TTT-step stat sums, gradient norm before clipping), summed over ranks."""
         cfg, params = self.cfg, self.params
-        denom = self.dist.sum(data.denom) if self.world > 1 else data.denom  # every rank's tokens count
+        denom = self._step_denominators(data)
+        denom = self.dist.sum(denom) if self.world > 1 else denom  # every rank's tokens count
         self.opt.zero_grad(set_to_none=True)
-        agg = {k: [0.0] * cfg.ttt_steps for k in ("loss_sum", "correct", "count", "loss_count")}
+        agg = {k: [0.0] * self.P for k in ("loss_sum", "correct", "count", "loss_count")}
         n_tok, loss_val = 0, 0.0
         for b, key in zip(data.batches, data.keys):
             loss, stats, nt = self._forward(b, key, denom)
@@ -490,5 +482,5 @@ class Trainer:
         stats = torch.tensor([loss_val, float(n_tok)] + [x for k in keys for x in agg[k]], dtype=torch.float64, device=self.dist.device)
         self.dist.all_reduce_sum_([stats])
         s = stats.tolist()
-        T = self.cfg.ttt_steps
+        T = self.P
         return s[0], int(s[1]), {k: s[2 + i * T : 2 + (i + 1) * T] for i, k in enumerate(keys)}

@@ -1,0 +1,108 @@
+"""DFlash decoding over the tiny random Llama: greedy == plain greedy (where the probe finds
+verification exact), an oracle block accepted whole (tau = block_size), the context cache against
+a full recompute, tau accounting, sampling; the same verification code as EAGLE-3 (specdec.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_eval import load_tiny, oracle_chain, plain_greedy
+
+from eaglenest.draft import draft_model
+from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.evaluate import exact
+from eaglenest.evaluate.dflash import DFlashDecoder
+from eaglenest.evaluate.specdec import PlainDecoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253], [1, 42]]
+N_NEW = 24
+BLOCKS = [4, 7]
+
+
+def random_dflash(target, block: int, layers: int = 2, draft_vocab: int = 4096, seed: int = 0):
+    cfg_t = target.config
+    base = DraftConfig.from_target(cfg_t, draft_vocab, [2, 4, 6, 7])  # four target layers
+    from dataclasses import replace
+
+    cfg = replace(base, kind="dflash", block_size=block, num_hidden_layers=layers, mask_token_id=16)
+    torch.manual_seed(seed)
+    d = draft_model(cfg, embed_weight=target.get_input_embeddings().weight)
+    g = torch.Generator().manual_seed(seed)
+    d.set_vocab(*build_vocab(torch.randint(0, 1000, (cfg_t.vocab_size,), generator=g), draft_vocab))
+    return d.to(next(target.parameters()).dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_verified(tiny_llama_dir):
+    m = load_tiny(tiny_llama_dir)
+    return m, exact.prepare(m, rows=BLOCKS, topk=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_verified):
+    return tiny_verified[0]
+
+
+@pytest.fixture
+def exact_tiny(tiny_verified):
+    v = tiny_verified[1]
+    if not v["exact"]:
+        pytest.skip(f"verification is not bit-identical on this machine: {v['probe_result']['end_to_end'][-1]['first_difference']}")
+    return tiny_verified[0]
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    return [plain_greedy(tiny, p, N_NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_greedy_equals_plain_and_oracle_block_is_accepted_whole(exact_tiny, tiny, references, block):
+    d = random_dflash(tiny, block)
+    with DFlashDecoder(tiny, d, set()) as dec:
+        assert dec.steps == block - 1 and dec.num_draft_tokens == block
+        for p, ref in zip(PROMPTS, references):
+            r = dec.generate(p, N_NEW)
+            assert r.output_ids == ref and r.verify_steps >= 1 and r.draft_s > 0
+            # a draft proposing the target's own continuation: every block accepted whole, + the bonus
+            dec.propose = oracle_chain(p + ref, len(p), block - 1).__get__(dec)
+            r = dec.generate(p, N_NEW)
+            assert r.output_ids == ref
+            full = (N_NEW - 1) // block
+            assert r.verify_steps == full + (1 if (N_NEW - 1) % block else 0)
+            rem = (N_NEW - 1) % block  # the last round's reference ends after `rem` drafted tokens
+            assert r.accepted_per_position == [full + (1 if i < rem else 0) for i in range(block - 1)]
+            del dec.propose
+
+
+def test_context_cache_matches_full_recompute_and_tau_accounting(tiny):
+    d = random_dflash(tiny, 4, layers=3)
+    p = PROMPTS[1]
+    with DFlashDecoder(tiny, d, set()) as dec:
+        r = dec.generate(p, N_NEW)
+        st = dec.last_round
+        # the cache holds the context of every committed position but the newest (L-1 entries)
+        L = len(st.tokens)
+        assert st.ctx[0][0].shape[2] == L - 1
+        with torch.inference_mode():
+            out = tiny(input_ids=torch.tensor([st.tokens[:-1]]), output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[k] for k in d.cfg.aux_layer_ids], -1)
+            kv = d.context_kv(d.fuse(aux), torch.arange(L - 1)[None])
+        for (k, v), (k2, v2) in zip(st.ctx, kv):
+            assert torch.allclose(k, k2, atol=1e-4) and torch.allclose(v, v2, atol=1e-4)
+        assert r.verified_tokens == len(r.output_ids) - 1  # the prefill's token is not a verified one
+        assert r.tau == r.verified_tokens / r.verify_steps
+        assert sum(r.accepted_per_position) <= r.verified_tokens - r.verify_steps
+
+
+def test_sampled_generation_runs_and_is_seeded(tiny):
+    d = random_dflash(tiny, 4)
+    runs = []
+    for _ in range(2):
+        with DFlashDecoder(tiny, d, set(), temperature=0.8, seed=3) as dec:
+            runs.append(dec.generate(PROMPTS[0], 16).output_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+    assert PlainDecoder(tiny, set(), temperature=0.8, seed=3).generate(PROMPTS[0], 16).output_ids
