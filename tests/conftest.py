@@ -79,3 +79,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+FIVE_LAYERS = [2, 9, 15, 21, 28]  # spread_layer_ids(30, 5): DFlash's default five on SmolLM2
+
+
+@pytest.fixture(scope="session")
+def smol_store_5(tmp_path_factory, smollm2, smol_data) -> Path:
+    """The 24 samples captured by the hf engine in fp32, stored in fp32, at five layers (a DFlash
+    store, and tight enough to compare with HF's own hidden_states at 1e-3)."""
+    from eaglenest.cli import main
+
+    out = tmp_path_factory.mktemp("feat5") / "f"
+    assert main(["capture", "--model", str(smollm2), "--data", str(smol_data), "--out", str(out), "--batch-tokens", "1024",
+                 "--device", "cpu", "--dtype", "fp32", "--store-dtype", "fp32",
+                 "--layers", ",".join(map(str, FIVE_LAYERS))]) == 0
+    return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.capture.layers import default_layer_ids, from_output_of, parse_layer_ids, to_output_of
+from eaglenest.capture.layers import default_layer_ids, from_output_of, parse_layer_ids, spread_layer_ids, to_output_of
 from eaglenest.cli import main
 from eaglenest.data import PreparedData
 from eaglenest.features import FeatureStore
@@ -23,44 +23,82 @@ def test_layer_conventions():
     assert from_output_of(to_output_of([2, 15, 27])) == [2, 15, 27]
     assert parse_layer_ids("auto", 30) == [2, 15, 27]
     assert parse_layer_ids("3,10,20", 30) == [3, 10, 20]
-    for bad in ("1,2", "0,5,9", "5,5,9", "2,15,30", "a,b,c"):
+    assert parse_layer_ids("2,9,15,21,28", 30) == [2, 9, 15, 21, 28]  # any count (DFlash reads five)
+    assert parse_layer_ids("1,2", 30) == [1, 2] and parse_layer_ids([29], 30) == [29]
+    for bad in ("", "0,5,9", "5,5,9", "9,5", "2,15,30", "a,b,c"):
         with pytest.raises(EaglenestError):
-            parse_layer_ids(bad, 30)
+            parse_layer_ids(bad if bad else [], 30)
 
 
-@pytest.fixture(scope="module")
-def smol_store(smollm2, smol_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("feat") / "f"
-    assert main(["capture", "--model", str(smollm2), "--data", str(smol_data), "--out", str(out), "--batch-tokens", "1024", "--device", "cpu"]) == 0
-    return out
+def test_spread_layer_ids_match_sglangs_dflash_reference():
+    """DFlash's default layers: SGLang 0.5.23's own `build_target_layer_ids` (output-of ids), run
+    from the released source, +1 = ours."""
+    import ast
+
+    from foreign import SGLANG_VERSION, unpacked_wheel
+
+    src = (unpacked_wheel("sglang", SGLANG_VERSION) / "sglang/srt/speculative/dflash_utils.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "build_target_layer_ids")
+    fn.returns = None
+    for a in fn.args.args:
+        a.annotation = None
+    ns: dict = {}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "<sglang dflash_utils>", "exec"), ns)
+    for n in (4, 8, 24, 30, 32, 61):
+        for count in (1, 2, 3, 5, 8):
+            ref = ns["build_target_layer_ids"](n, count)
+            if len(set(ref)) == count:
+                assert spread_layer_ids(n, count) == from_output_of(ref), (n, count)
+            else:  # the reference repeats a layer there: refused, not stored twice
+                with pytest.raises(EaglenestError, match="without repeats"):
+                    spread_layer_ids(n, count)
+    assert spread_layer_ids(30, 5) == [2, 9, 15, 21, 28]  # SmolLM2
+    assert spread_layer_ids(61, 5) == [2, 16, 31, 45, 59]  # Kimi-K2.5
 
 
-def test_capture_equals_plain_output_hidden_states(smollm2, smol_data, smol_store):
+# The capture must be the very tensor HF returns, and no other.  Measured (fp32 target, fp32 store,
+# 24 samples x 5 layers + the final state, padded batches vs HF's unpadded forward): the right
+# layer's worst per-token relative L2 error is 4.4e-6; the nearest wrong layer (k-1 or k+1) is at
+# least 0.34 away.  1e-3 sits ~200x above the one and ~300x below the other: an off-by-one fails.
+EXACT_REL = 1e-3
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst per-token relative L2 distance, in fp32."""
+    got, ref = got.float(), ref.float()
+    return ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+
+
+def test_capture_equals_plain_output_hidden_states(smollm2, smol_data, smol_store, smol_store_5):
     from transformers import AutoModelForCausalLM
 
-    fs = FeatureStore(smol_store)
+    from conftest import FIVE_LAYERS
+
+    assert FeatureStore(smol_store).meta.layer_ids == [2, 15, 27]  # auto: the canonical EAGLE-3 three
+    fs = FeatureStore(smol_store_5)
     data = PreparedData(smol_data)
     assert len(fs) == len(data) == 24
-    assert fs.meta.layer_ids == [2, 15, 27] and fs.meta.final_norm == "post" and fs.meta.convention == "capture-before"
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
+    assert fs.meta.layer_ids == FIVE_LAYERS and fs.meta.final_norm == "post" and fs.meta.convention == "capture-before"
+    assert fs.meta.dtype == "fp32" and fs.verify() == []
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     by_id = {s.id: s for s in data}
+    H = 576
     for i in (0, 7, 23):
         x = fs[i]
         s = by_id[x["id"]]
         assert x["input_ids"].tolist() == s.input_ids and x["loss_mask"].tolist() == s.loss_mask
+        T = len(s.input_ids)
+        assert x["aux_hidden_states"].shape == (T, 5 * H) and x["aux_hidden_states"].dtype == torch.float32
         with torch.no_grad():
             hs = model(torch.tensor([s.input_ids]), output_hidden_states=True).hidden_states
-        T = len(s.input_ids)
-        for j, k in enumerate([2, 15, 27]):
-            got = x["aux_hidden_states"][:, j * 576 : (j + 1) * 576].float()
-            ref = hs[k][0].float()
-            cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-            assert cos.min() > 0.995, (k, cos.min())
-            # and it is NOT the neighbouring layer (an off-by-one would pass a loose check)
-            wrong = torch.nn.functional.cosine_similarity(got, hs[k + 1][0].float(), dim=-1)
-            assert cos.mean() > wrong.mean() + 0.005
-        last = torch.nn.functional.cosine_similarity(x["last_hidden_state"].float(), hs[-1][0].float(), dim=-1)
-        assert last.min() > 0.995 and x["last_hidden_state"].shape == (T, 576)
+        for j, k in enumerate(FIVE_LAYERS):
+            got = x["aux_hidden_states"][:, j * H : (j + 1) * H]
+            assert _rel_err(got, hs[k][0]) < EXACT_REL, (k, _rel_err(got, hs[k][0]))
+            for wrong in (k - 1, k + 1):  # the check itself rejects an off-by-one
+                assert _rel_err(got, hs[wrong][0]) > 100 * EXACT_REL, (k, wrong)
+        assert x["last_hidden_state"].shape == (T, H)
+        assert _rel_err(x["last_hidden_state"], hs[-1][0]) < EXACT_REL  # HF's last entry is post-norm
+        assert _rel_err(x["last_hidden_state"], hs[-2][0]) > 100 * EXACT_REL
 
 
 def _store_tensors(path):

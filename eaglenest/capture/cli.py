@@ -15,9 +15,10 @@ def register(sub) -> None:
     p = add_command(
         sub, CaptureConfig, _run,
         "capture",
-        help="run the target on prepared ids and store EAGLE-3 features",
-        description="Run the target on exactly the prepared token ids and keep its hidden states at three aux layers "
-        "(capture-before ids: id k = HF hidden_states[k]; default [2, N//2, N-3]) plus the final state, in a "
+        help="run the target on prepared ids and store its hidden states (EAGLE-3 / DFlash features)",
+        description="Run the target on exactly the prepared token ids and keep its hidden states at the aux layers "
+        "(capture-before ids: id k = HF hidden_states[k]; default EAGLE-3's three, [2, N//2, N-3]; --layers takes any "
+        "number, e.g. five for DFlash) plus the final state, in a "
         "checksummed, resumable feature store. Re-running the same command resumes: stored samples are skipped. "
         "--dry-run reads only the target's config.json (no weights) and prints bytes per token and the total "
         "size in every store dtype beside the free disk. Options can come from a YAML file (--config; flags win; "
@@ -31,6 +32,7 @@ def _run(cfg, args) -> int:
     from pathlib import Path
 
     from eaglenest import EaglenestError
+    from eaglenest.capture.layers import parse_layer_ids
     from eaglenest.capture.run import _done_ids, check_room, print_plan, resolve_store_dtype, run_capture
     from eaglenest.data import PreparedData
     from eaglenest.engines import get_engine_module
@@ -43,6 +45,7 @@ def _run(cfg, args) -> int:
         hidden, n_layers = int(target["hidden_size"]), int(target["num_hidden_layers"])
     except (KeyError, TypeError, ValueError):
         raise EaglenestError(f"{path}/config.json: no integer hidden_size / num_hidden_layers (nor in text_config)") from None
+    layer_ids = parse_layer_ids(cfg.layers, n_layers)  # the plan's size depends on how many
     store_dtype = resolve_store_dtype(cfg.store_dtype, cfg.dtype, hidden)
     if cfg.data is None and not (cfg.dry_run and cfg.tokens is not None):
         raise EaglenestError("capture needs --data (only `--dry-run --tokens N` plans without data)")
@@ -57,9 +60,9 @@ def _run(cfg, args) -> int:
         todo = sum(t for sid, t in lengths.items() if sid not in done)
         n_done = n - n_samples
     if cfg.dry_run:
-        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype)
+        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype, layer_ids)
         return 0 if fits or cfg.ignore_disk else 1
-    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk)
+    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk, len(layer_ids))
     engine = get_engine_module(cfg.engine).create(args)  # engines read their flags from args
     with engine:
         s = run_capture(

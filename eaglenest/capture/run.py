@@ -31,9 +31,9 @@ def resolve_store_dtype(store_dtype: str, model_dtype: str, hidden_size: int) ->
     return COMPACT_DTYPE if hidden_size >= COMPACT_FROM_HIDDEN else model_dtype
 
 
-def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool) -> None:
-    """Refuse to start a capture the disk at `out` cannot hold."""
-    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype), free_bytes(out)
+def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool, aux_layers: int = 3) -> None:
+    """Refuse to start a capture the disk at `out` cannot hold (`aux_layers`: how many layers it captures)."""
+    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype, aux_layers), free_bytes(out)
     if need > free and not ignore_disk:
         raise EaglenestError(
             f"not enough disk at {out}: {n_tokens:,} tokens in {store_dtype} need ~{human_bytes(need)}, "
@@ -42,19 +42,22 @@ def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ign
 
 
 def print_plan(out: Path, target: str, hidden_size: int, num_layers: int, n_samples: int | None, n_tokens: int,
-               n_done: int, store_dtype: str, model_dtype: str) -> bool:
-    """The dry run: bytes per token and total size in every store dtype, free disk; True if the chosen one fits."""
+               n_done: int, store_dtype: str, model_dtype: str, layer_ids: list[int]) -> bool:
+    """The dry run: bytes per token and total size in every store dtype for the `layer_ids` captured,
+    free disk; True if the chosen one fits."""
     free = free_bytes(out)
+    n = len(layer_ids)
     lines = [
         f"capture plan: {f'{n_samples:,} samples / ' if n_samples is not None else ''}{n_tokens:,} tokens to process"
-        f"{f' ({n_done} already stored)' if n_done else ''}; target {target} ({num_layers} layers, hidden {hidden_size})",
+        f"{f' ({n_done} already stored)' if n_done else ''}; target {target} ({num_layers} layers, hidden {hidden_size}); "
+        f"aux layers {layer_ids} ({n} x {hidden_size} + the final state per token)",
         f"  {'store dtype':<16}{'bytes/token':>12}{'total':>12}{'vs bf16':>9}",
     ]
     for d in dict.fromkeys(["bf16", model_dtype, "fp8", "fp8-aux", store_dtype]):
-        per = bytes_per_token(hidden_size, d)
+        per = bytes_per_token(hidden_size, d, n)
         mark = " <- this run" if d == store_dtype else ""
-        lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16'):>8.2f}x{mark}")
-    need = estimate_bytes(n_tokens, hidden_size, store_dtype)
+        lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16', n):>8.2f}x{mark}")
+    need = estimate_bytes(n_tokens, hidden_size, store_dtype, n)
     fits = need <= free
     lines.append(f"free at {out}: {human_bytes(free)}; {store_dtype} needs ~{human_bytes(need)} on disk: "
                  + ("fits" if fits else "does NOT fit, capture would refuse to start (override: --ignore-disk)"))
@@ -152,7 +155,7 @@ def run_capture(
     done = writer.done if writer else _done_ids(out)
     todo_tokens = sum(len(s.input_ids) for s in samples if s.id not in done)
     n_todo = sum(1 for s in samples if s.id not in done)
-    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype)
+    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype, meta.aux_layers)
     free = free_bytes(out)
     print(
         f"capture: {n_todo} samples / {todo_tokens:,} tokens to process ({len(samples) - n_todo} already stored); "
@@ -161,7 +164,7 @@ def run_capture(
     )
     if dry_run:
         return CaptureSummary(0, len(samples) - n_todo, 0, todo_tokens, 0.0, 0, {"estimate_bytes": need, "free_bytes": free})
-    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk)
+    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk, meta.aux_layers)
 
     failures = Failures()
     lengths = [len(s.input_ids) for s in samples]

@@ -1,8 +1,9 @@
 """The narrow interface every engine implements (transformers in-process, vLLM, SGLang).
 
 capture(): run the target on exactly these token ids and return, per sample, the ids the
-engine says it saw (checked against what was sent), the three aux states concatenated
-[T, 3H] (capture-before layer ids) and the final state [T, H] (flagged pre/post norm).
+engine says it saw (checked against what was sent), the aux states of the engine's layer ids
+(capture-before; any number n, EAGLE-3 uses three) concatenated in order, [T, n*H], and the final
+state [T, H] (flagged pre/post norm).
 generate(): continue prompts given as token ids (for `regenerate`).
 """
 
@@ -24,7 +25,7 @@ class Request:
 class Captured:
     id: str
     input_ids: torch.Tensor  # what the engine reports it processed
-    aux_hidden_states: torch.Tensor  # [T, 3H]
+    aux_hidden_states: torch.Tensor  # [T, n*H], n = len(EngineInfo.layer_ids)
     last_hidden_state: torch.Tensor  # [T, H]
 
 

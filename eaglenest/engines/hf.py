@@ -1,7 +1,8 @@
 """In-process transformers engine (the default, and the one embedded in the other stages).
 
-Capture keeps only what EAGLE-3 needs: forward pre-hooks on the three aux decoder layers copy
-the residual stream *entering* them (= HF hidden_states[k], capture-before), and the base
+Capture keeps only what the draft needs: forward pre-hooks on the aux decoder layers (any number:
+EAGLE-3's three, DFlash's five) copy the residual stream *entering* them (= HF hidden_states[k],
+capture-before), and the base
 model's output is the post-norm final state; lm_head is never run and the other layers' states
 are never materialized.  On CUDA, the states go to two pinned host buffers that are reused batch
 after batch, copied on a side stream: batch i's copy runs while batch i+1 is computed, and the
@@ -169,7 +170,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def forward_states(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded batch -> (aux [B, T, 3H], final post-norm [B, T, H]) on the model's device."""
+        """Right-padded batch -> (aux [B, T, n*H] in layer_ids order, final post-norm [B, T, H]) on the model's device."""
         ids, att = self._pad(seqs)
         self._captured.clear()
         out = self.base(input_ids=ids, attention_mask=att, use_cache=False)

@@ -6,7 +6,8 @@ Layout of FEAT_DIR:
     shards/NNNNNN-<rand>.safetensors
                       one file per capture batch; sample k's tensors are named
                       `k.input_ids` (int32 [T]), `k.loss_mask` (uint8 [T]),
-                      `k.aux_hidden_states` ([T, 3H]), `k.last_hidden_state` ([T, H]);
+                      `k.aux_hidden_states` ([T, n*H], n = len(layer_ids): the captured
+                      layers' states concatenated in order), `k.last_hidden_state` ([T, H]);
                       in an fp8 store a state is float8 e4m3 codes plus `<name>_exp` (int8
                       [T, layers]): value = code * 2**exp, one power-of-two scale per token and
                       per layer (see "Store dtypes" below)
@@ -52,7 +53,7 @@ from eaglenest.utils import (
 
 FORMAT_VERSION = 1
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-STATES = {"aux_hidden_states": 3, "last_hidden_state": 1}  # state -> layers it concatenates
+STATES = ("aux_hidden_states", "last_hidden_state")  # the hidden states a sample holds (state_layers: how wide)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # store dtype -> how (aux, final) are kept; "fp8" = e4m3 codes + per-token, per-layer exponents
 STORE_DTYPES = {
@@ -65,6 +66,12 @@ STORE_DTYPES = {
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # metadata fields that must agree between a store and the run that appends to it
 IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype")
+
+
+def state_layers(aux_layers: int) -> dict[str, int]:
+    """state -> how many H-wide layer states it concatenates: the aux states one per captured layer
+    (`aux_layers` = len(store.json layer_ids); 3 for EAGLE-3, any count for DFlash), the final one."""
+    return {"aux_hidden_states": int(aux_layers), "last_hidden_state": 1}
 
 
 @dataclass
@@ -80,6 +87,11 @@ class StoreMeta:
     convention: str = "capture-before"
     vocab_size: int | None = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def aux_layers(self) -> int:
+        """How many layers the aux states concatenate (stores of any age: read from layer_ids)."""
+        return len(self.layer_ids)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -140,10 +152,13 @@ def fp8_decode(codes: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.reshape(codes.shape)).view(torch.bfloat16)
 
 
-def encode_sample(t: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
-    """A captured sample's tensors -> what the store keeps (stored_names(dtype))."""
+def encode_sample(t: dict[str, torch.Tensor], dtype: str, aux_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """A captured sample's tensors -> what the store keeps (stored_names(dtype)).  `aux_layers`:
+    the store's layer count (None: aux width / final width)."""
     out = {"input_ids": t["input_ids"].to(torch.int32).cpu().contiguous(), "loss_mask": t["loss_mask"].to(torch.uint8).cpu().contiguous()}
-    for (name, layers), enc in zip(STATES.items(), STORE_DTYPES[dtype]):
+    if aux_layers is None:
+        aux_layers = t["aux_hidden_states"].shape[-1] // t["last_hidden_state"].shape[-1]
+    for (name, layers), enc in zip(state_layers(aux_layers).items(), STORE_DTYPES[dtype]):
         x = t[name].cpu()
         if enc == "fp8":
             out[name], out[f"{name}_exp"] = fp8_encode(x, layers)
@@ -160,9 +175,9 @@ def decode_sample(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def validate_sample(t: dict[str, torch.Tensor], meta: StoreMeta) -> str | None:
     """Return why a captured (or decoded) sample is unusable, or None."""
     T = t["input_ids"].shape[0]
-    H = meta.hidden_size
-    expect = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "last_hidden_state": (T, H)}
-    expect.update({f"{n}_exp": (T, layers) for n, layers in STATES.items() if f"{n}_exp" in t})
+    layers = state_layers(meta.aux_layers)
+    expect = {"input_ids": (T,), "loss_mask": (T,), **{n: (T, k * meta.hidden_size) for n, k in layers.items()}}
+    expect.update({f"{n}_exp": (T, k) for n, k in layers.items() if f"{n}_exp" in t})
     for name, shape in expect.items():
         if tuple(t[name].shape) != shape:
             return f"bad_shape: {name} {tuple(t[name].shape)} != {shape}"
@@ -226,7 +241,7 @@ class FeatureWriter:
         tensors, rows = {}, []
         name = f"{len(self.entries):09d}-{secrets.token_hex(4)}.safetensors"
         for k, (sid, t) in enumerate(samples):
-            t = t if encoded else encode_sample(t, self.meta.dtype)
+            t = t if encoded else encode_sample(t, self.meta.dtype, self.meta.aux_layers)
             for n in stored_names(self.meta.dtype):
                 tensors[f"{k}.{n}"] = t[n]
             rows.append({"id": sid, "shard": name, "key": str(k), "n_tokens": int(t["input_ids"].shape[0]),
@@ -371,17 +386,18 @@ class FeatureStore:
         return sum(f.stat().st_size for f in (self.root / "shards").glob("*.safetensors"))
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token: 3H aux + H final (+ one int8 exponent per layer in fp8), ids (int32), mask (uint8)."""
+def bytes_per_token(hidden_size: int, dtype: str, aux_layers: int = 3) -> int:
+    """Stored bytes per token: n*H aux (n = aux_layers; EAGLE-3's 3 by default) + H final (+ one
+    int8 exponent per layer in fp8), ids (int32), mask (uint8)."""
     n = 4 + 1
-    for layers, enc in zip(STATES.values(), STORE_DTYPES[dtype]):
+    for layers, enc in zip(state_layers(aux_layers).values(), STORE_DTYPES[dtype]):
         n += layers * hidden_size * (1 if enc == "fp8" else DTYPES[enc].itemsize) + (layers if enc == "fp8" else 0)
     return n
 
 
-def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str) -> int:
+def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, aux_layers: int = 3) -> int:
     """Disk needed for n_tokens (1 % for safetensors headers and the manifest)."""
-    return int(n_tokens * bytes_per_token(hidden_size, dtype) * 1.01) + 4096
+    return int(n_tokens * bytes_per_token(hidden_size, dtype, aux_layers) * 1.01) + 4096
 
 
 def free_bytes(path: Path) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from eaglenest import EaglenestError
+from eaglenest.capture.layers import require_layer_count
 from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
 from eaglenest.draft.model import DraftConfig
 from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
@@ -121,6 +122,9 @@ class Trainer:
             )
         if len(store) == 0:
             raise EaglenestError(f"{cfg.data if cfg.online else f'feature store {cfg.features}'} holds no samples")
+        # the EAGLE-3 head's fc reads three aux states; a store of another count is for another draft kind
+        require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
+                            "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
         head = target_head(cfg.model)
         if not cfg.online:
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
