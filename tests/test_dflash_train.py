@@ -49,10 +49,11 @@ def test_dflash_resume_reproduces_uninterrupted_run(tiny_llama_dir, tiny_store, 
 
 
 def test_dflash_learns(tiny_llama_dir, tiny_store, tmp_path):  # noqa: F811
-    Trainer(dcfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=30, eval_every=29, grad_accum=1, lr=5e-3)).fit()
+    """The tiny store's tokens are random (nothing to generalize): the draft memorizes its training blocks."""
+    Trainer(dcfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=40, grad_accum=1, lr=5e-3)).fit()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    evals = [x["eval_loss"][0] for x in rows if "eval_loss" in x]
-    assert len(evals) >= 2 and evals[-1] < evals[0]
+    first, last = [sum(r["train_loss"][0] for r in part) / len(part) for part in (rows[:5], rows[-5:])]
+    assert last < 0.8 * first, (first, last)
 
 
 def test_dflash_export_contract_check_draft_and_load(tiny_llama_dir, tiny_store, tmp_path):  # noqa: F811

@@ -24,7 +24,8 @@ class TrainConfig:
     data: str | None = option(None, "with --online: DATA_DIR written by `eaglenest prepare`", metavar="DATA_DIR")
     engine: str = option("hf", "with --online: the engine that runs the target (hf: in this process, on --device; vllm, "
                          "sglang: servers, their flags below)", metavar="ENGINE")
-    layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto or i,j,k")
+    layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto (EAGLE-3's three; with "
+                         "--draft-kind dflash: dflash = five spread over the depth), dflash, or i,j,k,...")
     capture_dtype: str = option("bf16", "with --online: the target's dtype in the engine (= the features' dtype)",
                                 choices=["bf16", "fp32"])
     max_failures: int | None = option(None, "with --online: stop (checkpoint saved) once more training samples than this "

@@ -109,6 +109,9 @@ class Trainer:
         if cfg.online:
             from eaglenest.data import PreparedData
 
+            if cfg.draft_kind == "dflash" and cfg.layers == "auto":
+                cfg.layers = "dflash"  # the engine captures DFlash's default layers (capture/layers.py)
+
             data = PreparedData(cfg.data)
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # before an engine starts (a server takes minutes)
             store = self._open_online(data, engine_args)
@@ -123,8 +126,10 @@ class Trainer:
         if len(store) == 0:
             raise EaglenestError(f"{cfg.data if cfg.online else f'feature store {cfg.features}'} holds no samples")
         # the EAGLE-3 head's fc reads three aux states; a store of another count is for another draft kind
-        require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
-                            "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
+        # (a DFlash draft reads any number of target layers)
+        if cfg.draft_kind == "eagle3":
+            require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
+                                "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
         head = target_head(cfg.model)
         if not cfg.online:
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
