@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_eval import load_tiny, oracle_chain, plain_greedy
+from helpers_eval import oracle_chain, plain_greedy
+from test_eval_specdec import exact_tiny, tiny, tiny_verified  # noqa: F401 -- shared fixtures
 
 from eaglenest.draft import draft_model
 from eaglenest.draft.model import DraftConfig
 from eaglenest.draft.vocab import build_vocab
-from eaglenest.evaluate import exact
 from eaglenest.evaluate.dflash import DFlashDecoder
 from eaglenest.evaluate.specdec import PlainDecoder
 
@@ -35,23 +35,7 @@ def random_dflash(target, block: int, layers: int = 2, draft_vocab: int = 4096, 
     return d.to(next(target.parameters()).dtype).eval()
 
 
-@pytest.fixture(scope="module")
-def tiny_verified(tiny_llama_dir):
-    m = load_tiny(tiny_llama_dir)
-    return m, exact.prepare(m, rows=BLOCKS, topk=1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_verified):
-    return tiny_verified[0]
-
-
-@pytest.fixture
-def exact_tiny(tiny_verified):
-    v = tiny_verified[1]
-    if not v["exact"]:
-        pytest.skip(f"verification is not bit-identical on this machine: {v['probe_result']['end_to_end'][-1]['first_difference']}")
-    return tiny_verified[0]
+# the tiny target and its verification probe (rows 4, 7, 12) are test_eval_specdec's fixtures
 
 
 @pytest.fixture(scope="module")

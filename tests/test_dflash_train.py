@@ -111,3 +111,48 @@ def test_config_refusals(tiny_llama_dir, tmp_path):
         TrainConfig(model="m", features="f", out="o", draft_layers=2).validate()
     with pytest.raises(EaglenestError, match="block-size"):
         TrainConfig(model="m", features="f", out="o", draft_kind="dflash", block_size=1).validate()
+
+
+def test_dflash_online_equals_offline_and_two_gloo_ranks_equal_one(tiny_llama_dir, tiny_store, tmp_path):  # noqa: F811
+    """The trainer's --online path and torchrun are shared with EAGLE-3: an online DFlash run (hf
+    engine, fp32, the store's layers) logs the offline run's losses; 2 gloo ranks log one process's;
+    an online run without --layers captures DFlash's default layers."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from test_online import write_data
+    from test_train import fake_samples
+
+    kw = dict(max_steps=4, eval_fraction=0.0)
+    off = tmp_path / "off"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(dcfg(tiny_llama_dir, tiny_store, off, **kw)).fit()
+        data = write_data(tmp_path / "data", fake_samples())  # the samples the tiny store was captured from
+        on = tmp_path / "on"
+        t = Trainer(dcfg(tiny_llama_dir, None, on, online=True, data=str(data), features=None, capture_dtype="fp32",
+                         layers="2,4,5", **kw))
+        t.fit()
+        auto = Trainer(dcfg(tiny_llama_dir, None, tmp_path / "auto", online=True, data=str(data), features=None,
+                            capture_dtype="fp32", max_steps=1, eval_fraction=0.0))
+        assert auto.store.meta.layer_ids == [2, 3, 4, 5, 6]  # capture.layers.spread_layer_ids(8, 5)
+        auto.close_engine()
+    finally:
+        torch.set_num_threads(n)
+    assert losses(on) == pytest.approx(losses(off), rel=1e-5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(port), "-m", "eaglenest", "train", "--model", str(tiny_llama_dir), "--features", str(tiny_store), "--out", str(two),
+           "--draft-kind", "dflash", "--block-size", str(BLOCK), "--draft-layers", "2", "--dflash-anchors", "6", "--draft-vocab", "500",
+           "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "256", "--grad-accum", "2", "--eval-fraction", "0.0",
+           "--device", "cpu"]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "EAGLENEST_NO_PROGRESS": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(off), rel=1e-5)

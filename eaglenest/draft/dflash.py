@@ -29,11 +29,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from eaglenest import EaglenestError
 from eaglenest.draft.kernels import block_attention
-from eaglenest.draft.model import MLP, DraftConfig, Rotary, RMSNorm, apply_rope
+from eaglenest.draft.model import MLP, DraftConfig, DraftVocab, Rotary, RMSNorm, apply_rope
 
 
 class DFlashAttention(nn.Module):
@@ -138,27 +137,21 @@ def dflash_config(base: DraftConfig, opts) -> DraftConfig:
     return cfg
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(DraftVocab, nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         check_dflash_config(cfg)
         self.cfg = cfg
         H = cfg.hidden_size
-        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, H)
-        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)  # the target's, frozen, never exported
+        self.register_vocab(cfg, embed_weight)  # the target's embeddings (frozen), d2t/t2d
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.rotary = Rotary(cfg)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
-    # --- pieces ---------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
-
+    # --- pieces (embed, logits, to_target_ids, set_vocab, exported_state_dict: DraftVocab) --
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """[.., n*H_target] target states -> the context states hidden_norm(fc(.)) [.., H]."""
         return self.hidden_norm(self.fc(aux_hidden_states.to(self.fc.weight.dtype)))
@@ -185,17 +178,6 @@ class DFlashDraft(nn.Module):
         ids[..., 0] = anchors
         return ids
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits from a pre-norm hidden."""
-        return self.lm_head(self.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
     # --- one block over a whole context (the plain reference; training has objective.py) ---
     def forward(self, aux_hidden_states, anchor_ids, anchor_positions):
         """aux [B, T, n*H]; anchors [B, N] with positions [B, N] (block n sees the context before its
@@ -206,7 +188,3 @@ class DFlashDraft(nn.Module):
         S = self.cfg.block_size
         bpos = anchor_positions[..., None] + torch.arange(S, device=anchor_positions.device)
         return self.logits(self.blocks(self.block_input(anchor_ids), bpos, kv, anchor_positions))
-
-    def exported_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}

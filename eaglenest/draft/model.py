@@ -240,26 +240,51 @@ class MidLayer(nn.Module):
         return h, new_kv
 
 
-class Eagle3Draft(nn.Module):
+class DraftVocab:
+    """What every draft kind does with tokens (mixed into Eagle3Draft and dflash.DFlashDraft): the
+    frozen target embeddings `embed_tokens`, `norm` + `lm_head` over the draft vocabulary, and the
+    d2t/t2d mapping to target ids."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from a pre-norm hidden."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def exported_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}
+
+    def register_vocab(self, cfg: DraftConfig, embed_weight: torch.Tensor | None) -> None:
+        """The buffers: the frozen target embeddings (not persistent, so optimizers and exports never
+        see them) and the zeroed d2t/t2d mapping (set_vocab fills it)."""
+        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+
+class Eagle3Draft(DraftVocab, nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
-        # frozen target embeddings; a buffer, so optimizers and exports never see it
-        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, H)
-        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        self.register_vocab(cfg, embed_weight)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.rotary = Rotary(cfg)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
-    # --- pieces ---------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
-
+    # --- pieces (embed, logits, to_target_ids, set_vocab: DraftVocab) -----------------------
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]."""
         return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
@@ -278,17 +303,6 @@ class Eagle3Draft(nn.Module):
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits from a pre-norm hidden."""
-        return self.lm_head(self.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
     # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
     def forward(self, input_ids, aux_hidden_states, position_ids=None):
         """Step 0 over a whole sequence with a causal mask: logits [B, T, draft_vocab]."""
@@ -297,7 +311,3 @@ class Eagle3Draft(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         h, _ = self.ttt_step(input_ids, self.fuse(aux_hidden_states), position_ids)
         return self.logits(h)
-
-    def exported_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}

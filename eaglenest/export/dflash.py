@@ -26,7 +26,6 @@ import torch
 from eaglenest import EaglenestError
 from eaglenest.draft.model import DraftConfig
 from eaglenest.export.layer_ids import dflash_target_layer_ids, dflash_trained_layers
-from eaglenest.models.target import normalized_rope
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -63,29 +62,14 @@ def expected_tensors(cfg: DraftConfig, weight_dtype) -> dict[str, tuple[tuple[in
 
 def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=("vllm",)) -> dict:
     """config.json; refuses (EaglenestError) target layers the engines cannot capture."""
-    rope = dict(cfg.rope_parameters)
-    rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if rope_scaling.get("rope_type", "default") == "default":
-        rope_scaling = None
+    from eaglenest.export.format import layer_config
+
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "num_hidden_layers": cfg.num_hidden_layers,
         "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "hidden_act": cfg.hidden_act,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
+        **layer_config(cfg, extra, engines),
         "num_target_layers": cfg.target_num_layers,
         "block_size": cfg.block_size,
         "dflash_config": {
@@ -94,19 +78,8 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=("vllm",)) ->
             "causal": False,  # non-causal inside the block, as trained
             "use_swa": False,
         },
-        "tie_word_embeddings": False,
-        "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "eaglenest": {
-            "draft_config": cfg.to_dict(),
-            "layer_convention": "capture-before",
-            "serving_engines": list(engines),
-            **(extra or {}),
-        },
     }
 
 
@@ -123,28 +96,11 @@ def read_config(raw: dict, draft_dir) -> DraftConfig:
     if block is None or mask is None:
         raise EaglenestError(f"{draft_dir}/config.json: a DFlash draft needs block_size and dflash_config.mask_token_id "
                              f"(got {block!r}, {mask!r})")
-    return DraftConfig(
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        vocab_size=raw["vocab_size"],
-        draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
-        target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
-        aux_layer_ids=dflash_trained_layers(raw),
-        target_num_layers=int(raw.get("num_target_layers") or 0),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        hidden_act=raw.get("hidden_act", "silu"),
-        max_position_embeddings=raw.get("max_position_embeddings", 8192),
-        rope_parameters=normalized_rope(raw),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-        kind="dflash",
-        num_hidden_layers=int(raw.get("num_hidden_layers", 1)),
-        block_size=int(block),
-        mask_token_id=int(mask),
-    )
+    from eaglenest.export.format import config_from_hf
+
+    return config_from_hf(raw, aux_layer_ids=dflash_trained_layers(raw), target_num_layers=int(raw.get("num_target_layers") or 0),
+                          kind="dflash", num_hidden_layers=int(raw.get("num_hidden_layers", 1)), block_size=int(block),
+                          mask_token_id=int(mask))
 
 
 def judge(r, raw: dict, cfg: DraftConfig, tensors: dict | None, model=None, trained: list[int] | None = None) -> None:

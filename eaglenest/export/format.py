@@ -67,20 +67,15 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     }
 
 
-def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
-    if cfg.kind == "dflash":
-        from eaglenest.export import dflash
-
-        return dflash.hf_config(cfg, extra, engines)
+def layer_config(cfg: DraftConfig, extra: dict | None, engines) -> dict:
+    """The config.json keys every draft kind writes alike: the layers' shape, the target's rope
+    (rope_theta/rope_scaling for older readers, rope_parameters for newer), the vocabularies, and
+    our own `eaglenest` block (the exact DraftConfig; engines ignore unknown keys)."""
     rope = dict(cfg.rope_parameters)
-    rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
-    c = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
+    return {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -89,7 +84,7 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> d
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": rope_theta,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": rope_scaling,
         "rope_parameters": rope,
         "vocab_size": cfg.vocab_size,
@@ -108,6 +103,15 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> d
             **(extra or {}),
         },
     }
+
+
+def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
+    if cfg.kind == "dflash":
+        from eaglenest.export import dflash
+
+        return dflash.hf_config(cfg, extra, engines)
+    c = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+         **layer_config(cfg, extra, engines)}
     c.update(config_keys(cfg.target_architecture, cfg.target_num_layers, cfg.aux_layer_ids, engines))
     return c
 
@@ -147,6 +151,28 @@ def flat_config(raw: dict) -> dict:
     return flat
 
 
+def config_from_hf(f: dict, **kw) -> DraftConfig:
+    """A DraftConfig from another trainer's flat config.json, with the engines' defaults for what it
+    leaves out; `kw` sets what depends on the draft kind (its layers, ...)."""
+    return DraftConfig(
+        hidden_size=f["hidden_size"],
+        intermediate_size=f["intermediate_size"],
+        num_attention_heads=f["num_attention_heads"],
+        num_key_value_heads=f.get("num_key_value_heads") or f["num_attention_heads"],
+        head_dim=f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
+        vocab_size=f["vocab_size"],
+        draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
+        target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
+        rms_norm_eps=f.get("rms_norm_eps", 1e-6),
+        hidden_act=f.get("hidden_act", "silu"),
+        max_position_embeddings=f.get("max_position_embeddings", 8192),
+        rope_parameters=normalized_rope(f),
+        bos_token_id=f.get("bos_token_id"),
+        eos_token_id=f.get("eos_token_id"),
+        **kw,
+    )
+
+
 def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     """(config.json as written, DraftConfig).  A draft from another trainer gets the engines'
     defaults for what it leaves out (target_hidden_size = hidden_size, draft_vocab_size =
@@ -165,25 +191,8 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     if missing:
         raise EaglenestError(f"{draft_dir}/config.json: missing {', '.join(missing)}: not an EAGLE-3 draft config")
     ids = f.get("eagle_aux_hidden_state_layer_ids")
-    cfg = DraftConfig(
-        hidden_size=f["hidden_size"],
-        intermediate_size=f["intermediate_size"],
-        num_attention_heads=f["num_attention_heads"],
-        num_key_value_heads=f.get("num_key_value_heads") or f["num_attention_heads"],
-        head_dim=f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
-        vocab_size=f["vocab_size"],
-        draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
-        target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
-        aux_layer_ids=list(ids) if ids else [],
-        target_num_layers=0,
-        rms_norm_eps=f.get("rms_norm_eps", 1e-6),
-        hidden_act=f.get("hidden_act", "silu"),
-        max_position_embeddings=f.get("max_position_embeddings", 8192),
-        rope_parameters=normalized_rope(f),
-        bos_token_id=f.get("bos_token_id"),
-        eos_token_id=f.get("eos_token_id"),
-        norm_before_residual=bool(f.get("norm_before_residual", False)),
-    )
+    cfg = config_from_hf(f, aux_layer_ids=list(ids) if ids else [], target_num_layers=0,
+                         norm_before_residual=bool(f.get("norm_before_residual", False)))
     return raw, cfg
 
 
