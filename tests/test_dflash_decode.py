@@ -91,3 +91,29 @@ def test_sampled_generation_runs_and_is_seeded(tiny):
             runs.append(dec.generate(PROMPTS[0], 16).output_ids)
     assert runs[0] == runs[1] and len(runs[0]) == 16
     assert PlainDecoder(tiny, set(), temperature=0.8, seed=3).generate(PROMPTS[0], 16).output_ids
+
+
+def test_block_sampling_is_lossless():
+    """Temperature 1: a block's slots are drawn from q_1, q_2 that do not depend on the tokens drafted
+    before them (one forward drafts the block); the verification walk (SpecDecoder._accept, the
+    standard min(1, p/q) rule with the residual) still emits x1, x2 distributed as p(x1) p(x2 | x1)."""
+    from eaglenest.evaluate.specdec import Proposal
+
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    p2 = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.05, 0.05, 0.6, 0.3], [0.25, 0.25, 0.25, 0.25], [0.0, 0.2, 0.0, 0.8]])
+    q = torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.1, 0.1, 0.4, 0.4]])  # slot 2's q ignores what slot 1 drew
+    dec = DFlashDecoder.__new__(DFlashDecoder)  # only the acceptance walk: no target, no draft
+    dec.temperature, dec.generator = 1.0, g
+    counts = torch.zeros(4, 4)
+    n = 20_000
+    for _ in range(n):
+        d = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
+        logits = torch.stack([p1.log(), p2[d[0]].log(), torch.zeros(4)])  # rows: root, after d1, after d2
+        _, new = dec._accept(Proposal(d, [-1, 0], [1, 2], q), logits)
+        if len(new) < 2:  # rejected at slot 1: the next round samples x2 from the target itself
+            new.append(int(torch.multinomial(p2[new[0]], 1, generator=g)))
+        counts[new[0], new[1]] += 1
+    joint = p1[:, None] * p2
+    assert 0.5 * float((counts / n - joint).abs().sum()) < 0.02
+    assert counts[3, 0] == 0 and counts[3, 2] == 0  # never a pair the target rules out

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from eaglenest import EaglenestError
+from eaglenest.draft.vocab import target_to_draft_index
 from eaglenest.train.data import Batch
 from eaglenest.train.ttt import denominators as ttt_denominators
 from eaglenest.train.ttt import ttt_forward
@@ -187,8 +188,6 @@ class DFlashObjective:
             bpos = anchors[..., None] + torch.arange(self.S, device=dev)
             h = model.blocks(model.block_input(ids.gather(1, anchors)), bpos, kv, anchors)[:, :, 1:]  # [B, N, S-1, H]
             rows = p["in_draft"].reshape(-1).nonzero(as_tuple=True)[0].to(dev)  # only slots with a loss
-            from eaglenest.draft.vocab import target_to_draft_index
-
             didx = target_to_draft_index(model.t2d)[p["labels"].to(dev).reshape(-1)[rows]]
             hr = h.reshape(-1, h.shape[-1]).index_select(0, rows)
             ce, arg = self._ce(model, hr, didx)

@@ -296,9 +296,10 @@ class Trainer:
         return self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, step: int | None = None):
-        """(loss, per-position stats, tokens) of one micro-batch: the draft kind's objective (objective.py)."""
-        return self.objective.forward(self.model, b, key, denom, self.step if step is None else step)
+    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, step: int | None):
+        """(loss, per-position stats, tokens) of one micro-batch: the draft kind's objective (objective.py);
+        `step` seeds what it samples (None: the held-out evaluation's fixed draw)."""
+        return self.objective.forward(self.model, b, key, denom, step)
 
     def _recompute(self, tokens: int) -> bool:
         if self.cfg.recompute != "auto":
@@ -321,7 +322,7 @@ class Trainer:
                 continue
             key = tuple(idx) if b.input_ids.shape[0] == len(idx) else None  # online: not all arrived, no argmax cache
             # held-out: step None = the objective's fixed evaluation draw (the same anchors at every eval)
-            _, stats, _ = self._forward(b, key, self.objective.denominators(b, None), step=None)
+            _, stats, _ = self._forward(b, key, self.objective.denominators(b, None), None)
             for j in range(self.P):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
@@ -465,7 +466,7 @@ class Trainer:
         agg = {k: [0.0] * self.P for k in ("loss_sum", "correct", "count", "loss_count")}
         n_tok, loss_val = 0, 0.0
         for b, key in zip(data.batches, data.keys):
-            loss, stats, nt = self._forward(b, key, denom)
+            loss, stats, nt = self._forward(b, key, denom, self.step)
             loss.backward()
             loss_val += float(loss.detach())
             n_tok += nt
