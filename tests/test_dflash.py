@@ -189,3 +189,38 @@ def test_refuses_bad_configs():
 
     with pytest.raises(EaglenestError, match="mask_token_id"):
         draft_model(replace(cfg, mask_token_id=V))
+
+
+def test_foreign_dflash_draft_without_a_head_is_read_judged_and_loaded(smollm2, tmp_path):
+    """A DFlash draft as SpecForge / z-lab write it (no eaglenest block, output-of target_layer_ids,
+    no lm_head: the engines use the target's) is read into the same config, judged per engine and
+    run on the target's head."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from eaglenest.export.check import judge_draft
+    from eaglenest.export.dflash import expected_tensors
+    from eaglenest.export.format import load_draft, read_draft_config
+    from eaglenest.models.target import load_config
+
+    t = load_config(smollm2)
+    H, V, hd = t.hidden_size, t.vocab_size, t.head_dim
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 1, "hidden_size": H,
+           "intermediate_size": 256, "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+           "head_dim": hd, "rms_norm_eps": t.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
+           "rope_theta": t.rope_parameters["rope_theta"], "vocab_size": V, "block_size": 8, "num_target_layers": t.num_hidden_layers,
+           "dflash_config": {"mask_token_id": 16, "target_layer_ids": [1, 14, 26]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    _, cfg = read_draft_config(tmp_path)
+    assert cfg.kind == "dflash" and cfg.aux_layer_ids == [2, 15, 27] and cfg.block_size == 8 and cfg.draft_vocab_size == V
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(shape, generator=g).to(torch.bfloat16) * 0.02
+          for k, (shape, _) in expected_tensors(cfg, torch.bfloat16).items() if k != "lm_head.weight"}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    r = judge_draft(tmp_path, smollm2)
+    assert r.errors(("vllm", "hf")) == [], r.errors(("vllm", "hf"))
+    assert any("no lm_head" in n for n in r.notes)
+    head = torch.randn(V, H, generator=g)
+    d = load_draft(tmp_path, embed_weight=torch.randn(V, H, generator=g), lm_head_weight=head)
+    assert torch.equal(d.lm_head.weight, head)

@@ -114,7 +114,9 @@ def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
 
     check_draft_dir(draft_dir, target.config)
     emb = target.get_input_embeddings().weight
-    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype)
+    head = target.get_output_embeddings()
+    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype,
+                       lm_head_weight=None if head is None else head.weight)
     check_draft_fits(draft.cfg, target.config, where=f"draft {draft_dir}")
     why = check_vocab(draft.d2t.cpu(), draft.t2d.cpu())
     if why:

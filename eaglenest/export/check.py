@@ -117,11 +117,14 @@ def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] |
     return r
 
 
-def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
+def _judge_tensors(r: Report, cfg, tensors: dict, optional=()) -> None:
+    """Keys, shapes, dtypes and finiteness against the contract; `optional` keys may be absent."""
     exp = expected_tensors(cfg)
     for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"}):
         r.error(f"model.safetensors: unexpected tensor {k}")
     for k, (shape, dtype) in exp.items():
+        if k not in tensors and k in optional:
+            continue
         if k not in tensors:
             r.error(f"model.safetensors: missing {k}" + (" (served without it, acceptance collapses to 1.0)" if k == "lm_head.weight" else ""))
             continue

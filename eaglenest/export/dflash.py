@@ -129,7 +129,10 @@ def judge(r, raw: dict, cfg: DraftConfig, tensors: dict | None, model=None, trai
     if raw.get("eagle_aux_hidden_state_layer_ids"):
         r.notes.append("a top-level eagle_aux_hidden_state_layer_ids: vLLM captures those instead of dflash_config.target_layer_ids")
     if tensors is not None:
-        _judge_tensors(r, cfg, tensors)
+        shared_head = cfg.draft_vocab_size == cfg.vocab_size and "lm_head.weight" not in tensors
+        if shared_head:  # SpecForge's / z-lab's drafts: no head of their own
+            r.notes.append("no lm_head.weight: vLLM, SGLang and eaglenest's decoder use the target's lm_head")
+        _judge_tensors(r, cfg, tensors, optional=("lm_head.weight",) if shared_head else ())
         if cfg.draft_vocab_size < cfg.vocab_size:
             r.error("a reduced draft vocabulary (lm_head + d2t): SGLang 0.5.23's DFLASH has no draft head, it proposes with the "
                     "target's lm_head, not the trained one", ["sglang"])
@@ -142,7 +145,7 @@ def judge(r, raw: dict, cfg: DraftConfig, tensors: dict | None, model=None, trai
     t = target_facts(model)
     n = t.num_layers
     _judge_shape_fit(r, raw, cfg, t, "eaglenest" in raw)
-    if tensors is not None and cfg.draft_vocab_size == cfg.vocab_size and "lm_head.weight" in tensors:
+    if tensors is not None and cfg.draft_vocab_size == cfg.vocab_size and "lm_head.weight" in tensors and t.vocab_size == cfg.vocab_size:
         from eaglenest.models.weights import target_head
 
         if not torch.equal(tensors["lm_head.weight"].float(), target_head(model)["lm_head"].float()):

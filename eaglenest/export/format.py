@@ -238,10 +238,12 @@ def load_draft(
     target_config=None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    lm_head_weight: torch.Tensor | None = None,
 ) -> Eagle3Draft:
     """Load a draft (ours or another trainer's); `embed_weight` is the target's input embedding
     matrix, which the draft uses like both engines do when sizes match (an `embed_tokens` in the
-    file is not used: check-draft says when vLLM would use it instead)."""
+    file is not used: check-draft says when vLLM would use it instead); `lm_head_weight`, the
+    target's output head, serves a DFlash draft that ships none (the engines share the target's)."""
     raw, cfg = read_draft_config(draft_dir)
     flags = [k for k in UNSUPPORTED_FLAGS if flat_config(raw).get(k)]
     if flags:
@@ -253,6 +255,8 @@ def load_draft(
         resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)
     tensors = read_draft_tensors(draft_dir, cfg.kind)
     tensors.pop("embed_tokens.weight", None)
+    if cfg.kind == "dflash" and "lm_head.weight" not in tensors and lm_head_weight is not None and cfg.draft_vocab_size == cfg.vocab_size:
+        tensors["lm_head.weight"] = lm_head_weight.detach()
     from eaglenest.draft import draft_model
 
     model = draft_model(cfg, embed_weight=embed_weight)
