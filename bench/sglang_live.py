@@ -36,7 +36,7 @@ def main() -> None:
     from eaglenest.cli import main as cli
     from eaglenest.engines.base import Captured, Generated, Request
     from eaglenest.engines.hf import HFEngine
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.models.fetch import fetch
     from eaglenest.data import PreparedData
 

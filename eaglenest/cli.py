@@ -24,7 +24,7 @@ STAGES = [
     "eaglenest.export.cli",  # export, check-draft
     "eaglenest.evaluate.cli",  # eval
     "eaglenest.demo",  # demo
-    "eaglenest.engines.sglang_plugin_cli",  # sglang-plugin
+    "eaglenest.engines.sglang.plugin_cli",  # sglang-plugin
 ]
 
 

@@ -13,9 +13,9 @@
 #     scripts/sglang-cpu-requirements.txt (also --no-deps: the file is the full closure);
 #   * torchvision==0.28.0 --no-deps: SGLang imports it unconditionally; PyPI's build is
 #     CUDA-linked, so its compiled ops do not load on the CPU torch, and eaglenest's launcher
-#     (eaglenest/engines/sglang_launch.py) declares the two op schemas torchvision's import needs;
+#     (eaglenest/engines/sglang/launcher.py) declares the two op schemas torchvision's import needs;
 #   * no kernel package: eaglenest's `sgl_kernel` compatibility module
-#     (eaglenest/engines/sglang_compat) is put on the server's path when eaglenest starts it.
+#     (eaglenest/engines/sglang/compat) is put on the server's path when eaglenest starts it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,11 +31,11 @@ say() { echo "setup_sglang: $*"; }
 
 check() {
   # import the server's modules the way eaglenest starts them (launcher first, compat sgl_kernel)
-  PYTHONPATH="$ROOT:$ROOT/eaglenest/engines/sglang_compat" SGLANG_USE_CPU_ENGINE=1 \
+  PYTHONPATH="$ROOT:$ROOT/eaglenest/engines/sglang/compat" SGLANG_USE_CPU_ENGINE=1 \
     "$VENV/bin/python" - "$SGLANG_VERSION" "$TORCH_VERSION" <<'PY' 2>/dev/null
 import sys, importlib.metadata as md
 want, want_torch = sys.argv[1], sys.argv[2]
-from eaglenest.engines import sglang_launch
+from eaglenest.engines.sglang import launcher as sglang_launch
 sglang_launch.prepare_process()
 if md.version("sglang") != want:
     raise SystemExit(f"sglang {md.version('sglang')} installed, want {want}")
@@ -78,7 +78,7 @@ if out="$(check)"; then
   say "ok in $(( $(date +%s) - start )) s: $out"
 else
   say "FAILED: SGLang does not import in $VENV; the error follows" >&2
-  PYTHONPATH="$ROOT:$ROOT/eaglenest/engines/sglang_compat" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
-    "from eaglenest.engines import sglang_launch; sglang_launch.prepare_process(); import sglang.srt.entrypoints.http_server" >&2 || true
+  PYTHONPATH="$ROOT:$ROOT/eaglenest/engines/sglang/compat" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
+    "from eaglenest.engines.sglang import launcher; launcher.prepare_process(); import sglang.srt.entrypoints.http_server" >&2 || true
   exit 1
 fi

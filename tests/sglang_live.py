@@ -1,5 +1,5 @@
 """Helpers for the live SGLang tests: the skip reason, servers started the way `--sglang-serve`
-starts them (eaglenest.engines.sglang.start_server), HF greedy references, a tiny DeepSeek-V3."""
+starts them (eaglenest.engines.sglang.server.start_server), HF greedy references, a tiny DeepSeek-V3."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ requires_sglang = pytest.mark.skipif(
 def served(model, workdir: Path, *, mode: str = "generate", dtype: str = "fp32", capture_dir: Path | None = None,
            layer_ids: list[int] | None = None, extra: list[str] | None = None):
     """A CPU SGLang server for the duration of the block (its log stays in `workdir`)."""
-    from eaglenest.engines.sglang import find_sglang_python, server_command, start_server
+    from eaglenest.engines.sglang.server import find_sglang_python, server_command, start_server
 
     py = find_sglang_python()
     srv = start_server(lambda port: server_command(py, model, port=port, dtype=dtype, mode=mode, extra=extra),

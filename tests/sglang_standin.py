@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 import sglang_schema as schema
-from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.sglang import plugin
 from sglang_shapes import FakeForwardBatch, ForwardMode, ShapedModel
 
 VERSION = schema.VERSION
@@ -74,6 +74,9 @@ class SGLangStandIn:
                      "enable_two_batch_overlap": False, "disable_radix_cache": True,
                      "enable_return_hidden_states": kind in ("final", "aux"),
                      "return_hidden_states_mode": "full" if kind in ("final", "aux") else None}
+        if kind == "aux":  # what 0.5.23's /server_info records for --enable-return-aux-hidden-states
+            self.info.update({"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
+                              "return_aux_hidden_state_layer_ids": [k - 1 for k in self.layer_ids]})
         self.info.update(server_info or {})
         self.fail_next: list[int] = []
         self.delay_next: list[float] = []

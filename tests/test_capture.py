@@ -56,6 +56,13 @@ def test_spread_layer_ids_match_sglangs_dflash_reference():
     assert spread_layer_ids(61, 5) == [2, 16, 31, 45, 59]  # Kimi-K2.5
 
 
+@pytest.fixture(scope="module")
+def smol_store(smollm2, smol_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feat") / "f"
+    assert main(["capture", "--model", str(smollm2), "--data", str(smol_data), "--out", str(out), "--batch-tokens", "1024", "--device", "cpu"]) == 0
+    return out
+
+
 # The capture must be the very tensor HF returns, and no other.  Measured (fp32 target, fp32 store,
 # 24 samples x 5 layers + the final state, padded batches vs HF's unpadded forward): the right
 # layer's worst per-token relative L2 error is 4.4e-6; the nearest wrong layer (k-1 or k+1) is at

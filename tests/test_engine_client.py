@@ -251,3 +251,21 @@ srv.start()
     else:
         os.kill(child, 9)
         raise AssertionError("the server outlived its parent")
+
+
+def test_listen_addresses_reads_what_the_kernel_binds():
+    """tests/netcheck.py (the live tests' loopback check) on sockets of known addresses."""
+    import socket
+
+    from netcheck import listen_addresses
+
+    for host, want in (("127.0.0.1", {"127.0.0.1"}), ("0.0.0.0", {"0.0.0.0"})):
+        s = socket.socket()
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+        assert listen_addresses(port) == set()  # bound, not listening yet
+        s.listen()
+        try:
+            assert listen_addresses(port) == want
+        finally:
+            s.close()

@@ -2,14 +2,17 @@
 cropping/gathering, the tree proposal and the draft cache against slow recomputations; the
 exact-verification probe (evaluate/exact.py) on a kernel made batch-dependent in-process.
 
-Greedy equivalence is asserted only where exact.prepare's probe found verification bit-identical
-to plain decoding on this machine (the exact_tiny / tiny_bf16_exact fixtures skip, naming the
-difference, where it did not); tests that compare with a tolerance use the model either way."""
+Greedy equivalence relies on exact.prepare's probe finding verification bit-identical to plain
+decoding on this machine.  On the CPUs CI runs on (Intel with AMX, AMD EPYC with AVX-512 BF16 and
+no AMX; tests/cpu_kind.py reads /proc/cpuinfo's flags) that is expected, and a "not exact" fails
+the exact_tiny / tiny_bf16_exact fixtures; on any other CPU they skip, naming the difference.
+Tests that compare with a tolerance use the model either way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from cpu_kind import cpu_kind, require_exact_on_ci_cpus
 from helpers_eval import load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
 
 from eaglenest.evaluate import exact
@@ -22,9 +25,36 @@ N_NEW = 24
 ROWS = [4, 7, 12]  # the verification sizes whose exactness the tests below rely on
 
 
-def _require_exact(v: dict) -> None:
-    if not v["exact"]:
-        pytest.skip(f"verification is not bit-identical on this machine: {v['probe_result']['end_to_end'][-1]['first_difference']}")
+def _require_exact(v: dict, kind: str | None = None) -> None:
+    """Fail on a CI CPU kind where the probe says "not exact"; skip, saying why, on any other CPU."""
+    if v["exact"]:
+        return
+    why = f"verification is not bit-identical on this machine: {v['probe_result']['end_to_end'][-1]['first_difference']}"
+    kind = cpu_kind() if kind is None else kind
+    if kind:
+        pytest.fail(f"{why} -- on a {kind} CPU (one CI runs on) it must be")
+    pytest.skip(why)
+
+
+def test_not_exact_fails_on_ci_cpu_kinds_and_skips_elsewhere():
+    not_exact = {"exact": False, "probe_result": {"end_to_end": [{"first_difference": "row 3"}]}}
+    for kind in ("intel-amx", "amd-avx512-bf16"):
+        with pytest.raises(pytest.fail.Exception, match=f"row 3 -- on a {kind} CPU"):
+            _require_exact(not_exact, kind)
+    with pytest.raises(pytest.skip.Exception, match="row 3"):
+        _require_exact(not_exact, "")  # "" = a CPU of no CI kind
+    _require_exact({"exact": True})
+    with pytest.raises(AssertionError, match="row 3"):  # the eval reports' check (tests/test_eval_cli.py)
+        require_exact_on_ci_cpus(not_exact, "intel-amx")
+    require_exact_on_ci_cpus(not_exact, "")
+
+
+def test_cpu_kind_reads_the_flags():
+    intel = "vendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+    amd = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512f avx512_bf16\n"
+    assert cpu_kind(intel) == "intel-amx" and cpu_kind(amd) == "amd-avx512-bf16"
+    assert cpu_kind("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n") is None
+    assert cpu_kind("vendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f avx512_bf16\n") is None  # BF16 without AMX
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """Layer ids right for every engine and family (export/layer_ids.py).
 
-* The SGLang rule table is checked against SGLang 0.5.23's released source: each class's
-  `set_eagle3_layers_to_capture` is executed (a pure-Python method) on a stand-in `self`, for many
-  id lists and layer counts, and must do what our rule says.
+* The SGLang rule table -- the only one: the SGLang engine, its plugin commands and the live tests
+  read it -- is checked against SGLang 0.5.23's released source: every entry is a class SGLang
+  serves (an `EntryClass`), and its `set_eagle3_layers_to_capture` is executed (a pure-Python
+  method) on a stand-in `self`, for many id lists (three ids and five) and layer counts, and must do
+  what our rule says.  Every architecture the capture plugin observes has an entry.
 * For Llama, Qwen2/3, DeepSeek-V2/V3/Kimi (and the other classes in the table), with canonical and
   non-canonical layers, the ids we write make both engines capture exactly the trained layers, or
   the export is refused.
@@ -27,6 +29,8 @@ from eaglenest.export.layer_ids import (
     VLLM_EAGLE3_CLASSES,
     config_keys,
     engine_capture,
+    sglang_captures,
+    sglang_ids_for,
     trained_layers,
 )
 from foreign import SGLANG_VERSION, unpacked_wheel
@@ -40,8 +44,13 @@ class _SGLangSource:
 
     def __init__(self, root: Path):
         self.classes: dict[str, tuple[list[str], dict]] = {}
+        self.entry_classes: set[str] = set()  # what SGLang serves: each model file's EntryClass
         for f in sorted((root / "sglang/srt/models").glob("*.py")):
             for node in ast.parse(f.read_text()).body:
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass" for t in node.targets):
+                    v = node.value
+                    self.entry_classes |= {e.id for e in (v.elts if isinstance(v, (ast.List, ast.Tuple)) else [v])
+                                           if isinstance(e, ast.Name)}
                 if isinstance(node, ast.ClassDef):
                     bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
                     methods = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
@@ -91,10 +100,11 @@ def sglang_source():
 
 @pytest.mark.parametrize("cls", sorted(SGLANG_CLASS_RULE))
 def test_sglang_rules_match_the_released_source(sglang_source, cls):
+    assert cls in sglang_source.entry_classes  # an architecture SGLang 0.5.23 serves
     rule = SGLANG_RULES[SGLANG_CLASS_RULE[cls]][0]
     for n in (24, 30, 61):
         probes = [None, default_layer_ids(n), [k - 1 for k in default_layer_ids(n)], [1, 5, 9], [2, 5, 9], [3, 5, 9],
-                  [0, n // 2, n - 1], [4, 9, n]]
+                  [0, n // 2, n - 1], [4, 9, n], [1, 8, 14, 20, 21], [2, 9, 15, 21, n - 2], [3, 5, 7, 9, n]]
         for ids in probes:
             assert sglang_source.run(cls, None if ids is None else list(ids), n) == rule(ids, n), (cls, n, ids)
 
@@ -157,6 +167,39 @@ def test_other_trainers_output_of_ids_are_judged_per_engine():
     # our own export carries both forms: vLLM reads the top-level ids first
     ours = config_keys("KimiK25ForConditionalGeneration", 61, [2, 30, 50])
     assert all(engine_capture(e, "KimiK25ForConditionalGeneration", 61, ours) == [2, 30, 50] for e in ("sglang", "vllm"))
+
+
+def test_every_architecture_the_plugin_observes_has_a_rule():
+    from eaglenest.engines.sglang import plugin
+
+    assert set(plugin.ARCHITECTURES) <= set(SGLANG_CLASS_RULE), set(plugin.ARCHITECTURES) - set(SGLANG_CLASS_RULE)
+
+
+def test_sglang_captures_and_the_ids_that_give_a_layer_set():
+    """The engine-side helpers over the table (stock-mode aux servers, `sglang-plugin command`)."""
+    for arch in ("LlamaForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert sglang_captures(arch, [1, 14, 26], 30) == [2, 15, 27]
+        assert sglang_ids_for(arch, 30, [3, 4, 6]) == [2, 3, 5]
+        assert sglang_ids_for(arch, 30, [2, 9, 15, 21, 28]) == [1, 8, 14, 20, 27]  # five layers: the same rule
+    for ds in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
+        assert sglang_captures(ds, [1, 3, 5], 61) == [2, 4, 6]
+        assert sglang_captures(ds, [2, 3, 5], 61) == [2, 3, 5]
+        assert sglang_ids_for(ds, 61, [2, 30, 58]) == [1, 29, 57]  # the published Kimi-K2.5 draft's ids
+        assert sglang_ids_for(ds, 61, [3, 4, 6]) == [3, 4, 6]
+        assert sglang_ids_for(ds, 61, [1, 4, 6]) is None
+        assert sglang_ids_for(ds, 61, [2, 16, 31, 45, 59]) == [1, 15, 30, 44, 58]
+    assert sglang_captures("LlamaForCausalLM", None, 30) == [2, 15, 27]
+    with pytest.raises(EaglenestError, match="no EAGLE-3 layer rule known for target class FalconForCausalLM"):
+        sglang_captures("FalconForCausalLM", [1, 2, 3], 30)
+
+
+def test_gemma2_has_no_rule_in_either_engine_and_its_export_is_refused(sglang_source):
+    with pytest.raises(KeyError, match="Gemma2ForCausalLM has no set_eagle3_layers_to_capture"):
+        sglang_source.method("Gemma2ForCausalLM")  # SGLang 0.5.23 serves it, with no EAGLE-3 capture
+    assert "Gemma2ForCausalLM" in sglang_source.entry_classes and "Gemma2ForCausalLM" not in SGLANG_CLASS_RULE
+    for engines in (("sglang",), ("vllm",), ("sglang", "vllm")):
+        with pytest.raises(EaglenestError, match="no EAGLE-3 layer rule known|does not implement SupportsEagle3"):
+            config_keys("Gemma2ForCausalLM", 26, default_layer_ids(26), engines=engines)
 
 
 def test_vllm_eagle3_table_is_a_subset_of_the_sglang_table():

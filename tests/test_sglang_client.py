@@ -15,9 +15,9 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.cli import main
-from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.sglang import plugin
 from eaglenest.engines.base import Captured, Failure, Generated, Request
-from eaglenest.engines.sglang import SGLangEngine
+from eaglenest.engines.sglang.engine import SGLangEngine
 from eaglenest.features import FeatureStore
 from sglang_standin import SGLangStandIn
 
@@ -103,6 +103,39 @@ def test_stock_mode(tiny_llama_dir, data_dir, hf_store, standin, tmp_path, capsy
     assert main(base + ["--out", str(out), "--sglang-aux-url", aux.url]) == 0
     stores_match(out, hf_store)
     assert all(b.get("return_hidden_states") is True for b in final.requests + aux.requests)
+    # not the plugin's rid prefix: a server that also runs the plugin leaves no staging files for them
+    assert all(r.startswith("eaglenest-stock-") for b in final.requests + aux.requests for r in b["rid"])
+
+
+FIVE = "2,3,4,5,6"  # spread_layer_ids(8, 5): a DFlash layer set on the 8-layer target
+
+
+def test_five_layers_through_plugin_and_stock_servers(tiny_llama_dir, data_dir, standin, tmp_path, capsys):
+    """Any number of layers: the plugin writes [T, 5H], stock aux servers return it, both equal the hf
+    engine's five-layer store; an aux server that captures other layers is refused by the preflight,
+    which reads its ids from /server_info and says which ids to start it with."""
+    five = [int(k) for k in FIVE.split(",")]
+    hf = tmp_path / "hf5"
+    assert main(["capture", "--model", str(tiny_llama_dir), "--data", str(data_dir), "--out", str(hf), "--engine", "hf",
+                 "--device", "cpu", "--dtype", "fp32", "--batch-tokens", "256", "--layers", FIVE]) == 0
+    assert FeatureStore(hf).meta.layer_ids == five and FeatureStore(hf)[0]["aux_hidden_states"].shape[1] == 5 * 64
+    staging = tmp_path / "staging5"
+    s = standin(staging=staging, layer_ids=five)
+    common = ["--model", str(tiny_llama_dir), "--data", str(data_dir), "--engine", "sglang", "--dtype", "fp32",
+              "--batch-tokens", "256", "--layers", FIVE]
+    assert main(["capture", *common, "--out", str(tmp_path / "plugin5"), "--sglang-url", s.url, "--sglang-staging", str(staging)]) == 0
+    stores_match(tmp_path / "plugin5", hf)
+    final, aux = standin(kind="final"), standin(kind="aux", layer_ids=five)
+    assert aux.info["return_aux_hidden_state_layer_ids"] == [1, 2, 3, 4, 5]  # output-of: SGLang's Llama rule adds 1
+    stock = ["capture", *common, "--sglang-mode", "stock", "--sglang-url", final.url]
+    assert main([*stock, "--out", str(tmp_path / "stock5"), "--sglang-aux-url", aux.url]) == 0
+    stores_match(tmp_path / "stock5", hf)
+    canonical = standin(kind="aux")  # captures the default three
+    capsys.readouterr()
+    assert main([*stock, "--out", str(tmp_path / "wrong"), "--sglang-aux-url", canonical.url]) == 2
+    err = capsys.readouterr().err
+    assert "captures before layers [2, 4, 5] (ids [1, 3, 4]), this run wants [2, 3, 4, 5, 6]" in err
+    assert "--return-aux-hidden-state-layer-ids 1 2 3 4 5" in err and not (tmp_path / "wrong" / "manifest.jsonl").exists()
 
 
 def engine(tiny_llama_dir, url, staging, **kw):
@@ -152,8 +185,8 @@ def test_one_bad_sample_does_not_fail_its_batch(tiny_llama_dir, standin, tmp_pat
 def test_timeout_is_a_failure_with_reason(tiny_llama_dir, standin, tmp_path):
     s = standin()
     s.delay_next = [2.0]
-    t0 = time.time()
     with engine(tiny_llama_dir, s.url, tmp_path / "staging", timeout=0.5, retries=0) as e:
+        t0 = time.time()  # the request alone: building the engine reads the target's files (slow on a loaded machine)
         res = e.capture(REQS[:1])
     assert isinstance(res[0], Failure) and res[0].reason == "timeout"
     assert "timed out" in res[0].message and "after 1 attempts" in res[0].message
@@ -270,7 +303,7 @@ def test_sglang_serve_refuses_mla_targets(tmp_path, capsys):
     `--sglang-serve` refuses DeepSeek-family targets before starting anything; a URL is still accepted."""
     from family_helpers import tiny_deepseek
 
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.models.fetch import fetch
 
     ds = tiny_deepseek(tmp_path / "ds", tokenizer_from=fetch("smollm2"), layers=6)

@@ -1,6 +1,6 @@
 """eaglenest's SGLang CPU runtime without a server: the launcher's AMX forcing and torchvision
-schemas, the `sgl_kernel` compatibility module, the server command line, and the per-family
-layer-id rules (checked live in tests/test_sglang_live*.py)."""
+schemas, the `sgl_kernel` compatibility module and the server command line (the per-family
+layer-id rules: tests/test_layer_ids.py, checked live in tests/test_sglang_live*.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglenest.engines import sglang as eng
-from eaglenest.engines import sglang_launch
+from eaglenest.engines.sglang import launcher as sglang_launch
+from eaglenest.engines.sglang import server as eng
+from eaglenest.engines.sglang.engine import SGLangEngine
 from sglang_live import sglang_python
 
 COMPAT = Path(eng.COMPAT_DIR)
@@ -41,7 +42,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 out = {}
 if sys.argv[2] == "declare":
-    from eaglenest.engines.sglang_launch import declare_torchvision_schemas
+    from eaglenest.engines.sglang.launcher import declare_torchvision_schemas
     out["declared"] = declare_torchvision_schemas()
 try:
     import torch, torchvision, torchvision.transforms
@@ -111,29 +112,13 @@ def test_compat_names_are_names_sglang_0_5_23_imports():
 def test_server_command_cpu_torch_native_loopback():
     cmd = eng.server_command("py", "/m", port=1234, dtype="fp32", mode="plugin")
     s = " ".join(cmd)
-    assert cmd[:3] == ["py", "-m", "eaglenest.engines.sglang_launch"]
+    assert cmd[:3] == ["py", "-m", "eaglenest.engines.sglang.launcher"]
     assert "--host 127.0.0.1" in s and "0.0.0.0" not in s and "--device cpu --attention-backend torch_native" in s
     assert "--dtype float32" in s and "--disable-radix-cache" in cmd and "--sleep-on-idle" in cmd
     assert "--disable-radix-cache" not in eng.server_command("py", "/m", port=1, mode="generate")
     spec = eng.server_command("py", "/m", port=1, speculative={"draft": "/d", "steps": 3, "topk": 1, "draft_tokens": 4})
     assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3 "
             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in " ".join(spec)
-
-
-def test_layer_rules_per_family():
-    """SGLang 0.5.23 set_eagle3_layers_to_capture: Llama/Qwen add 1; DeepseekV2/V3 only when the
-    first id is 1 (then a capture-before first layer of 1 cannot be expressed)."""
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        assert eng.sglang_capture_layers(arch, [1, 14, 26]) == [2, 15, 27]
-        assert eng.sglang_layer_ids_for(arch, [3, 4, 6]) == [2, 3, 5]
-    ds = "DeepseekV3ForCausalLM"
-    assert eng.sglang_capture_layers(ds, [1, 3, 5]) == [2, 4, 6]
-    assert eng.sglang_capture_layers(ds, [2, 3, 5]) == [2, 3, 5]
-    assert eng.sglang_layer_ids_for(ds, [2, 30, 58]) == [1, 29, 57]  # the published Kimi-K2.5 draft's ids
-    assert eng.sglang_layer_ids_for(ds, [3, 4, 6]) == [3, 4, 6]
-    assert eng.sglang_layer_ids_for(ds, [1, 4, 6]) is None
-    with pytest.raises(Exception, match="no SGLang layer rule known for GptOssForCausalLM"):
-        eng.sglang_capture_layers("GptOssForCausalLM", [1, 2, 3])
 
 
 def test_plugin_mode_refuses_an_unobserved_architecture(tmp_path, tiny_llama_dir):
@@ -146,6 +131,6 @@ def test_plugin_mode_refuses_an_unobserved_architecture(tmp_path, tiny_llama_dir
     shutil.copytree(tiny_llama_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["Gemma2ForCausalLM"]}))
-    with eng.SGLangEngine(d, urls=["http://127.0.0.1:9"]) as e:
+    with SGLangEngine(d, urls=["http://127.0.0.1:9"]) as e:
         with pytest.raises(EaglenestError, match="does not observe Gemma2ForCausalLM.*Qwen3MoeForCausalLM"):
             e._check_servers()

@@ -4,10 +4,11 @@ target in fp32, started the way `--sglang-serve` starts it.
 Two servers for the module: `main` (radix cache ON, eaglenest's capture plugin on its path,
 `--enable-return-hidden-states`) and `aux` (radix cache OFF, SGLang's own aux capture:
 `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids
-1 14 26`, no draft).  Checked: greedy output equals HF greedy and repeats are identical (radix on
-and off); capture through the plugin equals the hf engine's features (cosine >= 0.9999 per token)
-with the token echo checked and `prompt_token_ids` never sent; stock mode (final state from `main`,
-aux concat from `aux`) equals them too, which also shows SGLang's Llama rule (ids + 1) live;
+1 8 14 20 27`, five layers, no draft).  Checked: greedy output equals HF greedy and repeats are
+identical (radix on and off); capture through the plugin equals the hf engine's features (cosine
+>= 0.9999 per token) with the token echo checked and `prompt_token_ids` never sent; stock mode
+(final state from `main`, the five-layer aux concat from `aux`) equals the hf engine's five-layer
+capture, which also shows SGLang's Llama rule (ids + 1, as export/layer_ids.py says) live;
 `regenerate --engine sglang` equals `--engine hf`; faults injected between client and server end as
 retried-and-stored or recorded-with-reason, by the client's own account; the plugin reads the TP rank
 from the real `sglang.srt.runtime_context`; the AMX gate is forced off.
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, requires_sglang]
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn leaves.", "List three prime numbers."]
 N_NEW = 16
-AUX_IDS = [1, 14, 26]  # what a draft's eagle_config would say (output-of): Llama adds 1 -> [2, 15, 27]
+AUX_IDS = [1, 8, 14, 20, 27]  # output-of, as a draft's config would say: Llama adds 1 -> FIVE
+FIVE = [2, 9, 15, 21, 28]  # spread_layer_ids(30, 5): DFlash's default layers on SmolLM2
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,16 @@ def hf_store(smollm2, data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sgl_live_hf") / "f"
     assert main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", "hf",
                  "--dtype", "fp32", "--device", "cpu"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_store5(smollm2, data_dir, tmp_path_factory):
+    from eaglenest.cli import main
+
+    out = tmp_path_factory.mktemp("sgl_live_hf5") / "f"
+    assert main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", "hf",
+                 "--dtype", "fp32", "--device", "cpu", "--layers", ",".join(map(str, FIVE))]) == 0
     return out
 
 
@@ -111,7 +123,7 @@ def _stores_agree(a, b, min_cos=0.9999):
     for i in range(len(fa)):
         x, y = fa[i], other[fa[i]["id"]]
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
-        for k in range(3):
+        for k in range(len(fa.meta.layer_ids)):
             sl = slice(k * H, (k + 1) * H)
             worst.append(float(torch.nn.functional.cosine_similarity(
                 x["aux_hidden_states"][:, sl].float(), y["aux_hidden_states"][:, sl].float(), dim=-1).min()))
@@ -136,18 +148,23 @@ def test_plugin_capture_equals_the_hf_engine(smollm2, data_dir, hf_store, main_s
     assert sorted(p.name for p in staging.iterdir()) == ["eaglenest-plugin.json"]  # every dump collected and removed
 
 
-def test_stock_mode_equals_the_hf_engine(smollm2, data_dir, hf_store, main_server, aux_server, tmp_path):
-    """Final state from a stock server, the aux concat from a server capturing ids [1, 14, 26] with
-    SGLang's own rule: equal to HF hidden_states [2, 15, 27] -- the Llama +1 rule, live."""
+def test_stock_mode_equals_the_hf_engine(smollm2, data_dir, hf_store5, main_server, aux_server, tmp_path, capsys):
+    """Final state from a stock server, the aux concat from a server capturing ids [1, 8, 14, 20, 27]
+    with SGLang's own rule: five layers, equal to HF hidden_states [2, 9, 15, 21, 28] -- the Llama +1
+    rule, live; a run that wants other layers is refused by the preflight (it reads the aux server's
+    ids from /server_info), before any sample is sent."""
     from eaglenest.cli import main
-    from eaglenest.engines.sglang import sglang_capture_layers
+    from eaglenest.export.layer_ids import sglang_captures
 
-    assert sglang_capture_layers("LlamaForCausalLM", AUX_IDS) == [2, 15, 27]
+    assert sglang_captures("LlamaForCausalLM", AUX_IDS, 30) == FIVE  # the one rule table, checked live here
     out = tmp_path / "stock"
-    assert main(["capture", "--model", str(smollm2), "--data", str(data_dir), "--out", str(out), "--engine", "sglang",
-                 "--sglang-mode", "stock", "--sglang-url", main_server, "--sglang-aux-url", aux_server,
-                 "--dtype", "fp32"]) == 0
-    _stores_agree(out, hf_store)
+    argv = ["capture", "--model", str(smollm2), "--data", str(data_dir), "--engine", "sglang", "--sglang-mode", "stock",
+            "--sglang-url", main_server, "--sglang-aux-url", aux_server, "--dtype", "fp32"]
+    assert main([*argv, "--out", str(out), "--layers", ",".join(map(str, FIVE))]) == 0
+    assert _stores_agree(out, hf_store5) >= 0.9999
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "three")]) == 2  # the canonical three: not what the aux server captures
+    assert f"captures before layers {FIVE} (ids {AUX_IDS}), this run wants [2, 15, 27]" in capsys.readouterr().err
 
 
 def test_regenerate_equals_the_hf_engine(smollm2, data_dir, main_server, tmp_path):
@@ -171,7 +188,7 @@ def test_faults_between_client_and_server(smollm2, data_dir, hf_store, main_serv
     counting requests in a time window; the rerun completes."""
     from eaglenest.capture.run import run_capture
     from eaglenest.data import PreparedData
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     data = PreparedData(data_dir)
     ids = [data[i].id for i in range(len(data))]
@@ -228,7 +245,7 @@ def test_online_training_from_sglang_equals_training_on_the_hf_store(smollm2, da
 
 def _in_sglang_env(code: str) -> subprocess.CompletedProcess:
     """Run `code` in .venv-sglang, prepared as eaglenest's launcher prepares a server process."""
-    from eaglenest.engines.sglang import cpu_server_pythonpath
+    from eaglenest.engines.sglang.server import cpu_server_pythonpath
 
     import os
 
@@ -241,10 +258,10 @@ def test_tp_rank_is_read_from_sglangs_runtime_context():
     """The plugin's rank read against the real module of the installed 0.5.23 (not an injected
     function): an unpublished rank is an error, rank 1 does not write, rank 0 plans a capture."""
     code = r"""
-from eaglenest.engines import sglang_launch
+from eaglenest.engines.sglang import launcher as sglang_launch
 sglang_launch.prepare_process()
 from types import SimpleNamespace
-from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.sglang import plugin
 from sglang.srt.runtime_context import get_parallel
 try:
     plugin._tp_rank(); unpublished = "read"
@@ -275,11 +292,11 @@ def test_amx_gate_is_forced_off_even_where_the_cpu_reports_amx():
 import json, sys, torch
 torch.cpu._is_amx_tile_supported = lambda: True  # an AMX machine, as far as SGLang can tell
 if sys.argv[1] == "launcher":
-    from eaglenest.engines import sglang_launch
+    from eaglenest.engines.sglang import launcher as sglang_launch
     reported = sglang_launch.force_torch_native()
     sglang_launch.declare_torchvision_schemas()
 else:
-    from eaglenest.engines import sglang_launch
+    from eaglenest.engines.sglang import launcher as sglang_launch
     sglang_launch.declare_torchvision_schemas()  # only what importing SGLang needs
     reported = None
 from sglang.srt.utils import common

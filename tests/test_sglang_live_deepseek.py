@@ -7,7 +7,7 @@ Two servers, each given the aux layer ids as a draft's `eagle_config` would give
   * ids [1, 3, 5] (first id 1: SGLang adds 1 -> captures before layers [2, 4, 6]), plugin on [2, 4, 6];
   * ids [2, 4, 5] (first id not 1: used as given -- the canonical [2, N//2, N-3]), plugin on [2, 4, 5].
 Checked: what SGLang captures for those ids (its own aux capture, which feeds a served draft) is
-exactly what the plugin captures at the layers `sglang_capture_layers` predicts -- the DeepSeek rule,
+exactly what the plugin captures at the layers `sglang_captures` (export/layer_ids.py) predicts -- the DeepSeek rule,
 live, on SGLang's own numbers.  Not asserted, measured and reported: SGLang's CPU forward of this
 model does not agree with transformers' (printed by the test): SGLang 0.5.23's MLA prefill on the
 torch_native backend attends over the latent KV pool instead of the k/v it is given, which this
@@ -55,11 +55,12 @@ def test_sglang_deepseek_rule_and_plugin_capture(tiny_ds, case):
     import httpx
 
     from eaglenest.engines.base import Captured, Request
-    from eaglenest.engines.sglang import SGLangEngine, sglang_capture_layers
+    from eaglenest.engines.sglang.engine import SGLangEngine
+    from eaglenest.export.layer_ids import sglang_captures
 
     name, ids, layers, url, staging = case
     H = 128
-    assert sglang_capture_layers(ARCH, ids) == layers
+    assert sglang_captures(ARCH, ids, 8) == layers  # the one rule table, checked live here
     with SGLangEngine(tiny_ds, urls=[url], staging=staging, layers=",".join(map(str, layers)), batch=2) as e:
         got = e.capture([Request(f"p{i}", p) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):

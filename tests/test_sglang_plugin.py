@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.sglang import plugin
 from sglang_shapes import ForwardMode, ShapedModel, pack, tiny_deepseek_v2, tiny_llama
 
 REQS = [[5, 17, 3, 88, 42, 9, 61, 7], [11, 2, 30], [70, 71, 72, 73, 74]]

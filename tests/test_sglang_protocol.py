@@ -2,17 +2,16 @@
 as data in tests/sglang_schema.py, with their source), its response checks, the preflight, and the
 plugin's install / check plumbing.  No live SGLang is involved.
 
-With EAGLENEST_SGLANG_SRC pointing at an unpacked sglang-0.5.23 wheel (the directory holding
-`sglang/`), two more tests read the real source: the field lists are re-extracted from it, and --
-when `msgspec` is importable -- the payloads are decoded by SGLang's own contract decoder
-(`sglang/api/v1/api_types.py`, loaded as a lone file)."""
+Two more read the real source, the released sglang-0.5.23 wheel unpacked (tests/foreign.py, as
+test_layer_ids.py does; EAGLENEST_SGLANG_SRC overrides it): the field lists are re-extracted from
+it, and the payloads are decoded by SGLang's own contract decoder (`sglang/api/v1/api_types.py`,
+loaded as a lone file; it needs `msgspec`, in the test extra)."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,19 @@ import pytest
 import torch
 
 import sglang_schema as schema
-from eaglenest.engines import sglang as eng
-from eaglenest.engines import sglang_plugin as plugin
-from eaglenest.engines import sglang_plugin_cli as pcli
+from eaglenest.engines.http import RequestFailed
+from eaglenest.engines.sglang import install, plugin
+from eaglenest.engines.sglang import plugin_cli as pcli
+from eaglenest.engines.sglang import preflight
+from eaglenest.engines.sglang import protocol as eng
 
-SRC = os.environ.get("EAGLENEST_SGLANG_SRC")
+
+
+@pytest.fixture(scope="module")
+def sglang_src() -> Path:
+    from foreign import SGLANG_VERSION, unpacked_wheel
+
+    return unpacked_wheel("sglang", SGLANG_VERSION)
 
 
 def payloads():
@@ -86,7 +93,7 @@ def test_response_checks():
     assert g.output_ids == [5, 2]
     g = eng.finish("s", [1], {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}, [2])
     assert g.finish_reason == "length"
-    with pytest.raises(eng.RequestFailed):
+    with pytest.raises(RequestFailed):
         eng.response_items([{}, {}], 3)
     # stock hidden states: one 2-D block per prefill chunk, then one row per generated token
     rows = eng.hidden_rows({"meta_info": {"hidden_states": [[[1.0, 2.0]] * 3, [[3.0, 4.0]] * 2, [5.0, 6.0]]}})
@@ -95,12 +102,28 @@ def test_response_checks():
 
 def test_preflight():
     good = {"version": "0.5.23", "cuda_graph_config": {"prefill": {"backend": "disabled"}}, "pp_size": 1}
-    assert eng.preflight_problems(good, "plugin") == ([], [])
-    errs, _ = eng.preflight_problems({**good, "cuda_graph_config": {"prefill": {"backend": "breakable"}}}, "plugin")
+    assert preflight.preflight_problems(good, "plugin") == ([], [])
+    errs, _ = preflight.preflight_problems({**good, "cuda_graph_config": {"prefill": {"backend": "breakable"}}}, "plugin")
     assert errs and "--cuda-graph-backend-prefill disabled" in errs[0]
-    errs, warns = eng.preflight_problems({**good, "version": "0.5.9"}, "stock")
+    errs, warns = preflight.preflight_problems({**good, "version": "0.5.9"}, "stock")
     assert "--enable-return-hidden-states" in errs[0] and "0.5.9" in warns[0]
-    assert eng.preflight_problems({**good, "exec": {"enable_return_hidden_states": True}}, "stock")[0] == []
+    assert preflight.preflight_problems({**good, "exec": {"enable_return_hidden_states": True}}, "stock")[0] == []
+
+
+def test_aux_server_layers_are_read_from_server_info():
+    """Stock aux servers: which layers they capture follows from the ids /server_info records and
+    the target class's rule (the one table); a mismatch is refused with the ids that would do."""
+    ok = {"version": "0.5.23", "enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3"}
+    llama, five = "LlamaForCausalLM", [2, 9, 15, 21, 28]
+    assert preflight.aux_server_problem({**ok, "return_aux_hidden_state_layer_ids": [1, 14, 26]}, llama, 30, [2, 15, 27]) is None
+    assert preflight.aux_server_problem({**ok, "return_aux_hidden_state_layer_ids": None}, llama, 30, [2, 15, 27]) is None
+    assert preflight.aux_server_problem({**ok, "return_aux_hidden_state_layer_ids": [1, 8, 14, 20, 27]}, llama, 30, five) is None
+    bad = preflight.aux_server_problem({**ok, "return_aux_hidden_state_layer_ids": [2, 15, 27]}, llama, 30, [2, 15, 27])
+    assert "captures before layers [3, 16, 28] (ids [2, 15, 27])" in bad and "--return-aux-hidden-state-layer-ids 1 14 26" in bad
+    bad = preflight.aux_server_problem({**ok, "return_aux_hidden_state_layer_ids": [1, 3, 5]}, "DeepseekV3ForCausalLM", 8, [1, 4, 6])
+    assert "no ids make SGLang capture before [1, 4, 6]" in bad
+    assert "'dflash' convention" in preflight.aux_server_problem({**ok, "aux_hidden_state_capture": "dflash"}, llama, 30, five)
+    assert "not started with --enable-return-aux-hidden-states" in preflight.aux_server_problem({"version": "0.5.23"}, llama, 30, five)
 
 
 # ------------------------------------------------------------------------------- plugin plumbing
@@ -233,7 +256,7 @@ def test_install_registers_an_sglang_plugin_entry_point(tmp_path):
     uses) discovers in the `sglang.srt.plugins` group; the entry point loads `register`."""
     site = tmp_path / "site"
     site.mkdir()
-    written = pcli.install_into(site)
+    written = install.install_into(site)
     assert (site / "eaglenest_sglang_capture.py").exists() and len(written) == 6
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]); from importlib.metadata import entry_points; "
             "eps = [e for e in entry_points(group='sglang.srt.plugins')]; f = eps[0].load(); "
@@ -248,7 +271,7 @@ def test_install_registers_an_sglang_plugin_entry_point(tmp_path):
             "import eaglenest_sglang_capture as m; assert 'eaglenest' not in sys.modules; print(m.TARGET_SGLANG_VERSION)")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "0.5.23", out.stderr
-    removed = pcli.uninstall_from(site)
+    removed = install.uninstall_from(site)
     assert len(removed) == 2 and not list(site.iterdir())
 
 
@@ -277,9 +300,8 @@ def _fields(path: Path, cls: str) -> tuple[str, ...]:
     return tuple(n.target.id for n in c.body if isinstance(n, ast.AnnAssign))
 
 
-@pytest.mark.skipif(not SRC, reason="EAGLENEST_SGLANG_SRC (an unpacked sglang-0.5.23 wheel) not set")
-def test_schema_data_matches_the_real_source():
-    root = Path(SRC)
+def test_schema_data_matches_the_real_source(sglang_src):
+    root = sglang_src
     assert pcli.source_version(root) == schema.VERSION
     assert _fields(root / "sglang/srt/managers/io_struct.py", "GenerateReqInput") == schema.GENERATE_REQ_INPUT_FIELDS
     api = root / "sglang/api/v1/api_types.py"
@@ -290,10 +312,8 @@ def test_schema_data_matches_the_real_source():
     assert all(ok for _, ok, _ in plugin.check_source_tree(str(root)))
 
 
-@pytest.mark.skipif(not SRC, reason="EAGLENEST_SGLANG_SRC (an unpacked sglang-0.5.23 wheel) not set")
-def test_payloads_pass_sglangs_own_contract_decoder():
-    pytest.importorskip("msgspec")
-    spec = importlib.util.spec_from_file_location("sglang_api_types_0_5_23", Path(SRC) / "sglang/api/v1/api_types.py")
+def test_payloads_pass_sglangs_own_contract_decoder(sglang_src):
+    spec = importlib.util.spec_from_file_location("sglang_api_types_0_5_23", sglang_src / "sglang/api/v1/api_types.py")
     api = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(api)
     for body in payloads().values():

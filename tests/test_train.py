@@ -287,7 +287,6 @@ def test_resume_loads_checkpoints_strictly(tiny_llama_dir, tiny_store, tmp_path)
 
 
 def test_tensorboard_mirrors_the_jsonl_and_is_closed(tiny_llama_dir, tiny_store, tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"

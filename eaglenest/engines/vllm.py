@@ -6,17 +6,17 @@ starts it as a subprocess and talks HTTP to it (httpx), so the main venv never i
 Capture (vLLM 0.32, facts checked in its source -- see docs/vllm.md):
   * the server runs `--speculative-config {"method": "extract_hidden_states",
     "num_speculative_tokens": 1, "draft_model_config": {"hf_config":
-    {"eagle_aux_hidden_state_layer_ids": [a, b, c, N]}}}` -- the three aux ids (capture-before:
+    {"eagle_aux_hidden_state_layer_ids": [a, b, c, ..., N]}}}` -- the aux ids, any number (capture-before:
     vLLM's id k is `hidden_states + residual` entering layer k) plus N, the last layer's output
     *before* the final norm -- and the hidden-states KV connector (`vllm_connector.py`, our
     CPU-capable subclass of vLLM's `ExampleHiddenStatesConnector`), with chunked prefill and
     prefix caching off (else the dumps come back split or short);
   * one `/v1/completions` request per sample: `prompt` = the token ids, `max_tokens` 1,
     `return_token_ids` true.  The echoed `prompt_token_ids` must equal what was sent.  The response's
-    `kv_transfer_params.hidden_states_path` names a safetensors file (`hidden_states [T, 4, H]`,
+    `kv_transfer_params.hidden_states_path` names a safetensors file (`hidden_states [T, n+1, H]`,
     `token_ids [T]`) that a writer thread finishes while holding an exclusive flock on
     `<path>.lock`; we take a shared flock (blocks until the write is done; the lock file itself
-    stays), load with safetensors, delete both files, and split into aux `[T, 3H]` and the
+    stays), load with safetensors, delete both files, and split into aux `[T, n*H]` and the
     pre-norm final state `[T, H]`.
 
 Servers: `--vllm-serve` (the default when no `--vllm-url` is given) starts one on a free
@@ -426,7 +426,7 @@ class VLLMEngine(Engine):
         if hs.dim() != 3 or tuple(hs.shape) != (T, L, self.hidden_size):
             return Failure(r.id, "bad_shape", f"hidden_states {tuple(hs.shape)} != {(T, L, self.hidden_size)}: "
                            f"was the server started with layer ids {[*self.layer_ids, self.num_layers]}?")
-        aux = hs[:, : L - 1].reshape(T, (L - 1) * self.hidden_size)  # [T, 3H]: layers in order, like torch.cat
+        aux = hs[:, : L - 1].reshape(T, (L - 1) * self.hidden_size)  # [T, n*H]: layers in order, like torch.cat
         last = hs[:, L - 1].contiguous()  # [T, H], pre-norm
         return Captured(r.id, torch.tensor(tok.tolist(), dtype=torch.long), aux.contiguous(), last)
 

@@ -58,7 +58,7 @@ def _urls(args) -> tuple[list[str], list[str]]:
     if ea.get("url"):
         urls += [u for u in ea["url"].split(",") if u]
     base = [u for u in (ea.get("baseline_url") or "").split(",") if u]
-    from eaglenest.engines.sglang import check_server_choice
+    from eaglenest.engines.sglang.flags import check_server_choice
 
     check_server_choice(urls, getattr(args, "sglang_serve", False), "eval --engine sglang needs a running server "
                         "(--sglang-url URL or --engine-arg url=URL; launch flags: docs/sglang.md)")
@@ -85,7 +85,7 @@ def spec_record(meta: dict, steps: int) -> dict:
 
 
 def _server_spec(info: dict) -> dict:
-    from eaglenest.engines.sglang import find_key
+    from eaglenest.engines.sglang.preflight import find_key
 
     return {k: find_key(info, k) for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
                                            "speculative_num_draft_tokens", "speculative_draft_model_path")}
@@ -95,7 +95,7 @@ def run_eval(args) -> dict:
     from eaglenest.capture.layers import default_layer_ids
     from eaglenest.engines.base import Failure
     from eaglenest.engines.http import Client, RequestFailed
-    from eaglenest.engines.sglang import (
+    from eaglenest.engines.sglang.protocol import (
         GENERATE_RID_PREFIX,
         check_item,
         finish,
@@ -240,7 +240,7 @@ class _Served:
     def __init__(self, a, ea: dict, path, draft_dir, steps: int, topk: int, ndt: int):
         import tempfile
 
-        from eaglenest.engines.sglang import find_sglang_python
+        from eaglenest.engines.sglang.server import find_sglang_python
 
         self.a, self.path = a, path
         self.python = find_sglang_python(ea.get("python"))
@@ -253,7 +253,7 @@ class _Served:
         self.start_seconds: dict[str, float] = {}
 
     def start(self, spec: bool) -> str:
-        from eaglenest.engines.sglang import server_command, start_server
+        from eaglenest.engines.sglang.server import server_command, start_server
 
         self.stop()
         name = "spec" if spec else "baseline"

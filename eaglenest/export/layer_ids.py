@@ -18,6 +18,11 @@ from the draft's config differently (read from the released source, see docs/sgl
 `config_keys` picks, per the rules, the ids to write (omitted when the engines' defaults already
 are the trained layers) and refuses a layer set an engine cannot express; `engine_capture` is
 what check-draft uses to judge any draft (ours or another trainer's) engine by engine.
+
+SGLANG_CLASS_RULE is the one home of SGLang's layer rule: the SGLang engine (stock-mode aux
+servers: `sglang_ids_for`), the plugin's launch commands and the live tests read it from here, and
+tests/test_layer_ids.py executes every entry's method from the released 0.5.23 source.  The rules
+are written for any number of ids (EAGLE-3 uses three, DFlash five): SGLang's methods map each id.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ SGLANG_RULES: dict[str, tuple[Callable, str]] = {
 # sglang/srt/models/<file>.py `set_eagle3_layers_to_capture` (tests/test_layer_ids.py executes that source)
 SGLANG_CLASS_RULE: dict[str, str] = {
     "LlamaForCausalLM": "plus1",  # llama.py
+    "Phi3ForCausalLM": "plus1",  # llama.py (a LlamaForCausalLM subclass)
+    "InternLM3ForCausalLM": "plus1",  # llama.py (a LlamaForCausalLM subclass)
+    "IQuestCoderForCausalLM": "plus1",  # llama.py (a LlamaForCausalLM subclass)
     "MistralForCausalLM": "plus1",  # mistral.py (inherits llama.py's)
     "Qwen2ForCausalLM": "plus1",  # qwen2.py
     "Qwen3ForCausalLM": "plus1",  # qwen3.py
@@ -73,6 +81,7 @@ SGLANG_CLASS_RULE: dict[str, str] = {
     "Gemma3ForCausalLM": "plus1",  # gemma3_causal.py
     "DeepseekV2ForCausalLM": "plus1_if_first_is_1",  # deepseek_v2.py
     "DeepseekV3ForCausalLM": "plus1_if_first_is_1",  # deepseek_v2.py (inherits; also Kimi-K2)
+    "DeepseekV32ForCausalLM": "plus1_if_first_is_1",  # deepseek_v2.py (inherits)
     "KimiK25ForConditionalGeneration": "plus1_if_first_is_1",  # kimi_k25.py -> its DeepseekV3 language model
     "Glm4MoeLiteForCausalLM": "plus1_if_first_is_1",  # glm4_moe_lite.py
     "GptOssForCausalLM": "plus1_unless_max_is_n",  # gpt_oss.py
@@ -87,7 +96,10 @@ VLLM_EAGLE3_CLASSES = frozenset({
     "MiniMaxM2ForCausalLM",
 })
 # checked in vLLM 0.32 and found without SupportsEagle3 (no EAGLE-3 serving for these targets)
-VLLM_NO_EAGLE3 = frozenset({"Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Gemma3ForCausalLM"})
+VLLM_NO_EAGLE3 = frozenset({"Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Gemma3ForCausalLM",
+                            "Gemma2ForCausalLM"})
+# Gemma2ForCausalLM has no SGLang rule either: sglang/srt/models/gemma2.py defines no
+# set_eagle3_layers_to_capture, so neither engine serves an EAGLE-3 draft on it (export refused)
 
 
 def _eagle_config_ids(config: dict):
@@ -96,18 +108,35 @@ def _eagle_config_ids(config: dict):
     return list(ids) if ids else None
 
 
+def sglang_captures(arch: str | None, ids: list[int] | None, n: int) -> list[int]:
+    """The capture-before layers SGLang 0.5.23 captures on an N-layer `arch` target when handed
+    `ids` (a draft's eagle_config ids, or a server's --return-aux-hidden-state-layer-ids); None =
+    the class's default.  Raises EaglenestError for a class without a known rule."""
+    rule = SGLANG_CLASS_RULE.get(arch or "")
+    if rule is None:
+        raise EaglenestError(
+            f"SGLang 0.5.23: no EAGLE-3 layer rule known for target class {arch} (known: {', '.join(sorted(SGLANG_CLASS_RULE))}); "
+            "add it to eaglenest/export/layer_ids.py from sglang/srt/models/*.py"
+        )
+    return list(SGLANG_RULES[rule][0](None if ids is None else list(ids), n))
+
+
+def sglang_ids_for(arch: str | None, n: int, capture_before: list[int]) -> list[int] | None:
+    """The ids to hand SGLang so that it captures exactly `capture_before` on an N-layer `arch`
+    target: output-of (`c - 1`, SpecForge's and TorchSpec's form) where the rule allows, else the
+    ids as given; None when no ids do (e.g. the DeepSeek rule and a first layer of 1)."""
+    for w in ([k - 1 for k in capture_before], list(capture_before)):
+        if min(w) >= 0 and sglang_captures(arch, w, n) == list(capture_before):
+            return w
+    return None
+
+
 def engine_capture(engine: str, arch: str | None, n: int, config: dict) -> list[int]:
     """The capture-before layer ids `engine` captures for a draft with this config.json on an
     N-layer target of class `arch`.  Raises EaglenestError when the engine cannot serve an EAGLE-3
     draft on that class at all (or eaglenest does not know how it numbers layers)."""
     if engine == "sglang":
-        rule = SGLANG_CLASS_RULE.get(arch or "")
-        if rule is None:
-            raise EaglenestError(
-                f"SGLang 0.5.23: no EAGLE-3 layer rule known for target class {arch} (known: {', '.join(sorted(SGLANG_CLASS_RULE))}); "
-                "add it to eaglenest/export/layer_ids.py from sglang/srt/models/*.py"
-            )
-        return list(SGLANG_RULES[rule][0](_eagle_config_ids(config), n))
+        return sglang_captures(arch, _eagle_config_ids(config), n)
     if engine == "vllm":
         if arch not in VLLM_EAGLE3_CLASSES:
             known = "does not implement SupportsEagle3" if arch in VLLM_NO_EAGLE3 else "is not known to implement SupportsEagle3"

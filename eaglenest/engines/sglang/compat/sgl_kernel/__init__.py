@@ -5,7 +5,7 @@ PyPI's `sgl-kernel` / `sglang-kernel` wheels are CUDA builds, and there is no CP
 This module provides the names so that the imports succeed, and each one raises a clear error if
 it is ever called.  It registers no `torch.ops.sgl_kernel` op, so SGLang's
 `_is_intel_amx_backend_available()` is False and its AMX kernel paths stay off
-(`eaglenest.engines.sglang_launch` also forces the AMX probe off).
+(`eaglenest.engines.sglang.launcher` also forces the AMX probe off).
 
 Where SGLang 0.5.23 imports them (`from sgl_kernel import ...`, found by importing the server's
 modules with a recording stand-in) and when it would call them (the call sites are gated on the

@@ -61,7 +61,7 @@ DIST_NAME = "eaglenest-sglang-capture"
 ENTRY_POINT_GROUP = "sglang.srt.plugins"  # sglang/srt/plugins/__init__.py GENERAL_PLUGINS_GROUP
 ENTRY_POINT_NAME = "eaglenest_capture"
 ENV_DIR = "EAGLENEST_SGLANG_CAPTURE_DIR"
-ENV_LAYERS = "EAGLENEST_SGLANG_LAYERS"  # capture-before ids "a,b,c"; default [2, N//2, N-3]
+ENV_LAYERS = "EAGLENEST_SGLANG_LAYERS"  # capture-before ids "a,b,c,..." (any count); default [2, N//2, N-3]
 ENV_RID_PREFIX = "EAGLENEST_SGLANG_RID_PREFIX"
 ENV_CPU_LAUNCHER = "EAGLENEST_SGLANG_CPU_LAUNCHER"  # probe: prepare the process as eaglenest's CPU launcher does
 DEFAULT_DIR = "/dev/shm/eaglenest"
@@ -137,8 +137,8 @@ def parse_layers(text: str | None) -> list[int] | None:
     if text is None or text.strip() in ("", "auto"):
         return None
     ids = [int(x) for x in text.split(",")]
-    if len(ids) != 3 or sorted(set(ids)) != ids or ids[0] < 1:
-        raise ValueError(f"{ENV_LAYERS} must be three increasing capture-before ids >= 1, got {text!r}")
+    if not ids or sorted(set(ids)) != ids or ids[0] < 1:
+        raise ValueError(f"{ENV_LAYERS} must be increasing capture-before ids >= 1 (any number), got {text!r}")
     return ids
 
 
@@ -183,7 +183,7 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 def encode_dump(rid: str, start: int, input_ids, aux, last, layer_ids, extra: dict | None = None) -> bytes:
-    """One request's prefill chunk: input_ids [n] int64, aux_hidden_states [n, 3H] (layers in
+    """One request's prefill chunk: input_ids [n] int64, aux_hidden_states [n, k*H] (k layers, in
     order, like torch.cat), last_hidden_state [n, H] (post-norm)."""
     import torch
     from safetensors.torch import save
@@ -758,7 +758,7 @@ def probe() -> dict:
     out["package_root"] = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else None
     try:
         if os.environ.get(ENV_CPU_LAUNCHER) == "1":  # eaglenest's CPU environment: prepared as the launcher does
-            from eaglenest.engines.sglang_launch import prepare_process
+            from eaglenest.engines.sglang.launcher import prepare_process
 
             prepare_process()
         import sglang  # noqa: F401
@@ -777,8 +777,8 @@ def probe() -> dict:
 
 
 if __name__ == "__main__":  # `python eaglenest_sglang_capture.py probe` inside the SGLang env
-    # run as a script, this file's directory is sys.path[0]; in the eaglenest tree it holds an
-    # unrelated `sglang.py` (the client engine) that would shadow the real package
+    # run as a script, this file's directory is sys.path[0]; in the eaglenest tree it holds the
+    # client's modules (server.py, protocol.py, ...), which would shadow top-level modules so named
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
     if sys.argv[1:] == ["probe"]:

@@ -1,19 +1,9 @@
 """The SGLang engine: a client of SGLang's native `POST /generate` (targets SGLang 0.5.23).
 
 Servers: `--sglang-url URL` (repeatable) uses running servers, anywhere; `--sglang-serve` starts one
-on this machine's CPU (SGLang's CPU engine on its torch-native path, from `.venv-sglang`, made by
-`scripts/setup_sglang.sh`; see `sglang_launch.py`) on a free 127.0.0.1 port, with eaglenest's capture
-plugin on its path for capture, and stops it at the end (logs kept with `--sglang-log`).  Facts below
-were read in SGLang 0.5.23's published source and checked against a live 0.5.23 server (docs/sglang.md).
-
-Requests (`GenerateReqInput`, sglang/srt/managers/io_struct.py): always the batch form --
-`input_ids` as a list of lists, `rid` and `extra_key` as lists of unique strings (a unique
-`extra_key` isolates each sample's radix-cache namespace, so every prompt is fully prefilled),
-`sampling_params` one dict, `return_prompt_token_ids: true` (the response then echoes the prompt ids
-under the top-level `prompt_token_ids`), and `return_hidden_states: true` where the mode uses it.
-`prompt_token_ids` is never sent: it is a response field only.  Every response is checked:
-`meta_info.id` must be the rid sent, `meta_info.prompt_tokens` must equal the number of ids sent and
-the echoed `prompt_token_ids` must equal them (else the sample fails with `token_mismatch`).
+on this machine's CPU (server.py) and stops it at the end (logs kept with `--sglang-log`).  Requests
+and response checks: protocol.py.  Facts below were read in SGLang 0.5.23's published source and
+checked against a live 0.5.23 server (docs/sglang.md).
 
 Capture modes (`--sglang-mode`):
   * `plugin` (default): the server runs eaglenest's capture plugin (`eaglenest sglang-plugin
@@ -26,11 +16,14 @@ Capture modes (`--sglang-mode`):
     (safetensors, never pickle) and deletes them.
   * `stock`: an unmodified server started with `--enable-return-hidden-states` returns, in
     `meta_info.hidden_states`, the *post-norm final* state only (JSON floats).  It cannot fill the
-    three aux states: capture in this mode needs `--sglang-aux-url` servers started with
+    aux states: capture in this mode needs `--sglang-aux-url` servers started with
     `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
-    --return-aux-hidden-state-layer-ids` (0.5.23), whose `hidden_states` are the aux concat
-    [T, 3H] instead; each sample then costs one request to each kind of server.  Without aux
-    servers, capture stops with an error saying so.  Generation (regenerate) works in both modes.
+    --return-aux-hidden-state-layer-ids IDS` (0.5.23), whose `hidden_states` are the aux concat
+    [T, n*H] instead (any number of layers: SGLang maps each id with the target class's EAGLE-3
+    rule, export/layer_ids.py); each sample then costs one request to each kind of server.  The
+    preflight reads the aux servers' ids from `/server_info` and refuses servers that capture other
+    layers than this run's.  Without aux servers, capture stops with an error saying so.
+    Generation (regenerate) works in both modes.
 
 Requests go through the shared client (`engines/http.py`): spread round-robin over the URLs, at most
 `--sglang-concurrency` in flight, batched `--sglang-batch` samples per request; timeouts, 5xx and
@@ -54,77 +47,29 @@ from pathlib import Path
 
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import parse_layer_ids
-from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
 from eaglenest.engines.http import Client, RequestFailed, merge_stats
 from eaglenest.engines.server import ServerProcess
+from eaglenest.engines.sglang import plugin
+from eaglenest.engines.sglang.flags import MODES, check_server_choice
+from eaglenest.engines.sglang.preflight import aux_server_problem, preflight_problems
+from eaglenest.engines.sglang.protocol import (
+    CAPTURE_RID_PREFIX,
+    GENERATE_RID_PREFIX,
+    STOCK_RID_PREFIX,
+    TARGET_SGLANG_VERSION,
+    capture_sampling,
+    check_item,
+    finish,
+    generate_payload,
+    generate_sampling,
+    hidden_rows,
+    response_items,
+)
+from eaglenest.engines.sglang.server import find_sglang_python, refuse_cpu_mla, server_command, start_server
 from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "sglang"
-TARGET_SGLANG_VERSION = plugin.TARGET_SGLANG_VERSION
-MODES = ("plugin", "stock")
-CAPTURE_RID_PREFIX = plugin.DEFAULT_RID_PREFIX  # the plugin only observes rids with this prefix
-GENERATE_RID_PREFIX = "eaglenest-gen-"
-CAPTURE_MAX_NEW_TOKENS = 1  # 0 also prefills on 0.5.23 (Req.is_prefill_only), 1 works on every version
-
-# the GenerateReqInput fields this client sends (all present in SGLang 0.5.23)
-REQUEST_FIELDS = ("input_ids", "sampling_params", "rid", "extra_key", "return_hidden_states", "return_prompt_token_ids")
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids", "skip_special_tokens", "sampling_seed")
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VENV = REPO_ROOT / ".venv-sglang"
-COMPAT_DIR = Path(__file__).resolve().parent / "sglang_compat"  # holds eaglenest's sgl_kernel
-LAUNCHER = "eaglenest.engines.sglang_launch"
-DEFAULT_MAX_TOTAL_TOKENS = 32768  # KV-cache tokens of a started server (SGLang would take ~70% of the RAM)
-
-
-# ----------------------------------------------------------------------------------------- CLI
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--sglang-url", action="append", default=None, metavar="URL",
-                   help="sglang engine: base URL of a running SGLang server (repeatable; requests are spread over them)")
-    p.add_argument("--sglang-serve", action="store_true",
-                   help="sglang engine: start SGLang's CPU engine (torch-native path, from .venv-sglang) on a free "
-                   "127.0.0.1 port, with the capture plugin on its path, and stop it at the end")
-    p.add_argument("--sglang-mode", choices=MODES, default="plugin",
-                   help="sglang engine: 'plugin' = the server runs eaglenest's capture plugin (full EAGLE-3 features); "
-                   "'stock' = unmodified servers (--enable-return-hidden-states: final state only; capture also needs "
-                   "--sglang-aux-url)")
-    p.add_argument("--sglang-aux-url", action="append", default=None, metavar="URL",
-                   help="sglang engine, stock mode: servers started with --enable-return-aux-hidden-states "
-                   "--speculative-algorithm EAGLE3 (they return the aux concat instead of the final state)")
-    p.add_argument("--sglang-staging", default=None, metavar="DIR",
-                   help="sglang engine, plugin mode: the plugin's staging directory (the server's "
-                   f"EAGLENEST_SGLANG_CAPTURE_DIR; must be readable from here; default {plugin.DEFAULT_DIR}, or a "
-                   "fresh directory under /dev/shm for --sglang-serve)")
-    p.add_argument("--sglang-concurrency", type=int, default=4, metavar="N", help="sglang engine: requests in flight at once")
-    p.add_argument("--sglang-batch", type=int, default=8, metavar="N", help="sglang engine: samples per /generate request")
-    p.add_argument("--sglang-timeout", type=float, default=600.0, metavar="S", help="sglang engine: seconds per request")
-    p.add_argument("--sglang-retries", type=int, default=3, metavar="N",
-                   help="sglang engine: retries (exponential backoff and jitter) after a timeout, 5xx or connection error")
-    p.add_argument("--sglang-dump-timeout", type=float, default=60.0, metavar="S",
-                   help="sglang engine, plugin mode: seconds to wait for a request's staging files after its response")
-    p.add_argument("--sglang-skip-preflight", action="store_true",
-                   help="sglang engine: do not check /server_info (version, prefill CUDA graph, ...) before capturing")
-    p.add_argument("--sglang-python", default=None, metavar="PY",
-                   help="sglang engine, --sglang-serve: python of the SGLang virtualenv (default $EAGLENEST_SGLANG_PYTHON "
-                   "or ./.venv-sglang/bin/python)")
-    p.add_argument("--sglang-startup-timeout", type=float, default=600.0, metavar="S",
-                   help="sglang engine, --sglang-serve: seconds to wait for the server to become healthy")
-    p.add_argument("--sglang-log", default=None, metavar="FILE",
-                   help="sglang engine, --sglang-serve: server log file (default: in a temp dir, removed at the end)")
-    p.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
-                   help="sglang engine, --sglang-serve: extra server argument, e.g. --sglang-arg=--max-total-tokens=65536 "
-                   "(repeatable)")
-
-
-def check_server_choice(urls, serve: bool, needs: str) -> None:
-    """Exactly one of: running servers (URLs) or --sglang-serve.  `needs` opens the error for neither."""
-    if urls and serve:
-        raise EaglenestError("give either --sglang-url (running servers) or --sglang-serve (start one), not both")
-    if not urls and not serve:
-        raise EaglenestError(f"{needs} or --sglang-serve (start SGLang's CPU engine here)")
 
 
 def create(args) -> "SGLangEngine":
@@ -152,243 +97,6 @@ def create(args) -> "SGLangEngine":
         extra_server_args=getattr(args, "sglang_arg", None) or [],
     )
 
-
-# ------------------------------------------------------------------------------------- server
-
-
-def refuse_cpu_mla(cfg: dict, path) -> None:
-    """--sglang-serve starts SGLang's CPU engine (torch-native attention), whose MLA prefill attends
-    over the compressed latent KV pool instead of the per-head k/v it is given (0.5.23,
-    torch_native_backend.py forward_extend; docs/sglang.md): DeepSeek-V2/V3/Kimi states and tokens
-    come out wrong (or the first prefill fails on real shapes).  Refused, not warned about."""
-    from eaglenest.models.target import target_facts
-
-    fam = target_facts(cfg).family
-    if fam.attention == "mla":
-        raise EaglenestError(
-            f"{path}: a {fam.name} target (MLA attention) cannot be served correctly by SGLang 0.5.23's CPU engine "
-            "(its torch-native MLA prefill attends over the latent KV cache, not the per-head keys and values; see "
-            "docs/sglang.md): serve it on GPUs and pass --sglang-url, or use --engine hf / vllm")
-
-
-def find_sglang_python(explicit: str | None = None) -> Path:
-    """The python of the SGLang virtualenv: --sglang-python, $EAGLENEST_SGLANG_PYTHON, or ./.venv-sglang."""
-    p = Path(explicit or os.environ.get("EAGLENEST_SGLANG_PYTHON") or DEFAULT_VENV / "bin" / "python")
-    if not p.exists():
-        raise EaglenestError(f"SGLang python not found at {p}: run `bash scripts/setup_sglang.sh` (creates .venv-sglang) "
-                             "or pass --sglang-python / set EAGLENEST_SGLANG_PYTHON")
-    return p
-
-
-def cpu_server_pythonpath() -> list[Path]:
-    """What a CPU server started by eaglenest has on its path besides `eaglenest`: the sgl_kernel
-    compatibility module (and, for `sglang-plugin check --cpu`, eaglenest itself)."""
-    return [REPO_ROOT, COMPAT_DIR]
-
-
-def server_command(python, model_path, *, port: int, dtype: str = "bf16", mode: str = "generate",
-                   max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS, speculative: dict | None = None,
-                   extra: list[str] | None = None) -> list[str]:
-    """The command line of a CPU server (SGLang 0.5.23 flags, through eaglenest's launcher).
-    mode: "plugin" (capture through the plugin: no radix cache), "stock" (final states as JSON),
-    "generate"; `speculative` = {"draft": DIR, "steps": S, "topk": K, "draft_tokens": D} serves a draft."""
-    cmd = [str(python), "-m", LAUNCHER, "--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--attention-backend", "torch_native",
-           "--dtype", {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype),
-           "--disable-overlap-schedule", "--sleep-on-idle", "--random-seed", "0",
-           "--max-total-tokens", str(max_total_tokens), "--cuda-graph-backend-prefill", "disabled"]
-    if mode == "plugin":
-        cmd += ["--disable-radix-cache"]
-    elif mode == "stock":
-        cmd += ["--enable-return-hidden-states", "--disable-radix-cache"]
-    elif mode != "generate":
-        raise ValueError(mode)
-    if speculative:
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(speculative["draft"]),
-                "--speculative-num-steps", str(speculative["steps"]), "--speculative-eagle-topk", str(speculative["topk"]),
-                "--speculative-num-draft-tokens", str(speculative["draft_tokens"])]
-    return cmd + list(extra or [])
-
-
-def start_server(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0,
-                 capture_dir: Path | None = None, layer_ids: list[int] | None = None) -> ServerProcess:
-    """A started CPU server.  With `capture_dir`, eaglenest's capture plugin is on the server's path
-    (installed into the directory that holds `eaglenest`, where SGLang's `load_plugins()` finds its
-    entry point) and active, writing there."""
-    from eaglenest.engines.sglang_plugin_cli import install_into
-
-    env = {"SGLANG_USE_CPU_ENGINE": "1"}
-    if capture_dir is not None:
-        env[plugin.ENV_DIR] = str(capture_dir)
-        if layer_ids is not None:
-            env[plugin.ENV_LAYERS] = ",".join(map(str, layer_ids))
-    srv = ServerProcess("sglang", cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout,
-                        env=env, pythonpath=[COMPAT_DIR])
-    if capture_dir is not None:
-        install_into(srv.path_dir)
-    return srv.start()
-
-
-# --------------------------------------------------------------------------- layer-id rules
-
-# `set_eagle3_layers_to_capture(layer_ids)` in SGLang 0.5.23 turns the ids of a draft's
-# `eagle_config.eagle_aux_hidden_state_layer_ids` (or --return-aux-hidden-state-layer-ids) into the
-# layers it captures before (`layers_to_capture`), per model class:
-#   Llama family (models/llama.py), Qwen2, Qwen3, Qwen3-MoE: every id + 1;
-#   DeepseekV2/V3/V3.2 (models/deepseek_v2.py; Kimi-K2 serves as DeepseekV3ForCausalLM):
-#     + 1 only when the first id is 1, else the ids as given.
-# Checked live on SGLang 0.5.23 for Llama and DeepseekV3 (tests/test_sglang_live_deepseek.py).
-_PLUS_ONE = {"llama", "qwen2", "qwen3", "qwen3_moe"}
-
-
-def sglang_capture_layers(architecture: str, ids: list[int]) -> list[int]:
-    """Capture-before ids SGLang 0.5.23 captures for a draft whose eagle_config lists `ids`."""
-    spec = plugin.ARCHITECTURES.get(architecture)
-    if spec is None:
-        raise EaglenestError(f"no SGLang layer rule known for {architecture} (known: {', '.join(sorted(plugin.ARCHITECTURES))})")
-    if spec.name in _PLUS_ONE or (spec.name == "deepseek_v2" and ids and ids[0] == 1):
-        return [k + 1 for k in ids]
-    return list(ids)
-
-
-def sglang_layer_ids_for(architecture: str, capture_before: list[int]) -> list[int] | None:
-    """The eagle_config ids that make SGLang 0.5.23 capture exactly `capture_before`, or None when
-    no ids do (DeepseekV2 family with a first layer of 1)."""
-    for ids in ([k - 1 for k in capture_before], list(capture_before)):
-        if min(ids) >= 0 and sglang_capture_layers(architecture, ids) == list(capture_before):
-            return ids
-    return None
-
-
-# ----------------------------------------------------------------------------------- payloads
-
-
-def generate_payload(ids: list[list[int]], rids: list[str], sampling: dict, *, extra_keys: list[str] | None = None,
-                     return_hidden_states: bool = False) -> dict:
-    """A batched `/generate` body (field names exactly as in GenerateReqInput, SGLang 0.5.23)."""
-    if not ids or len(ids) != len(rids) or len(set(rids)) != len(rids):
-        raise ValueError("one unique rid per sample")
-    body = {"input_ids": [list(map(int, x)) for x in ids], "rid": list(rids), "sampling_params": dict(sampling),
-            "return_prompt_token_ids": True}
-    if extra_keys is not None:
-        if len(extra_keys) != len(ids):
-            raise ValueError("one extra_key per sample")
-        body["extra_key"] = list(extra_keys)
-    if return_hidden_states:
-        body["return_hidden_states"] = True
-    return body
-
-
-def capture_sampling() -> dict:
-    return {"max_new_tokens": CAPTURE_MAX_NEW_TOKENS, "temperature": 0.0}
-
-
-def generate_sampling(max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int]) -> dict:
-    s = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": 1.0,
-         "skip_special_tokens": False}
-    if stop_ids:
-        s["stop_token_ids"] = [int(t) for t in stop_ids]
-    if temperature > 0:
-        s["sampling_seed"] = int(seed)
-    return s
-
-
-def response_items(resp, n: int) -> list[dict]:
-    """The per-sample outputs of a batched /generate (a list, in request order)."""
-    if isinstance(resp, dict):
-        resp = [resp]
-    if not isinstance(resp, list) or len(resp) != n or not all(isinstance(x, dict) for x in resp):
-        raise RequestFailed("bad_response", f"expected a list of {n} outputs, got {type(resp).__name__}"
-                            f"{f' of {len(resp)}' if isinstance(resp, list) else ''}")
-    return resp
-
-
-def check_item(item: dict, rid: str, sent: list[int], sid: str) -> Failure | None:
-    """The server must report this rid and exactly the prompt that was sent."""
-    meta = item.get("meta_info") or {}
-    if meta.get("id") not in (None, rid):
-        return Failure(sid, "bad_response", f"response is for request {meta.get('id')!r}, expected {rid!r}")
-    fr = meta.get("finish_reason")
-    if isinstance(fr, dict) and fr.get("type") == "abort":
-        return Failure(sid, "aborted", f"server aborted the request: {fr.get('message')}")
-    pt = meta.get("prompt_tokens")
-    if pt is None:
-        return Failure(sid, "bad_response", "meta_info has no prompt_tokens")
-    if int(pt) != len(sent):
-        return Failure(sid, "token_mismatch", f"server reports {pt} prompt tokens, {len(sent)} were sent")
-    echoed = item.get("prompt_token_ids")
-    if echoed is not None and (bad := check_echo(sent, echoed, sid)) is not None:
-        return bad
-    return None
-
-
-def hidden_rows(item: dict):
-    """`meta_info.hidden_states` of a stock server -> float32 tensor [rows, width].  0.5.23 appends
-    one 2-D block [n, H] per prefill chunk, then one row per generated token."""
-    import torch
-
-    hs = (item.get("meta_info") or {}).get("hidden_states")
-    if not hs:
-        return None
-    blocks = []
-    for el in hs:
-        if el and isinstance(el[0], (list, tuple)):
-            blocks.append(torch.tensor(el, dtype=torch.float32))
-    return torch.cat(blocks, 0) if blocks else None
-
-
-def finish(sid: str, prompt: list[int], item: dict, eos_ids: list[int]) -> Generated | Failure:
-    out = [int(t) for t in (item.get("output_ids") or [])]
-    fr = (item.get("meta_info") or {}).get("finish_reason")
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind == "abort":
-        return Failure(sid, "aborted", f"server aborted the request: {fr.get('message') if isinstance(fr, dict) else fr}")
-    if kind == "stop":
-        matched = fr.get("matched") if isinstance(fr, dict) else None
-        tok = matched if isinstance(matched, int) else (eos_ids[0] if eos_ids else None)
-        if tok is not None and (not out or out[-1] not in set(eos_ids) | {tok}):
-            out.append(tok)  # a turn ended by a stop token always ends with it
-        return Generated(sid, list(prompt), out, "stop")
-    return Generated(sid, list(prompt), out, "length")
-
-
-def find_key(obj, key: str):
-    """First value of `key` anywhere in nested dicts (/server_info nests some records)."""
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        for v in obj.values():
-            r = find_key(v, key)
-            if r is not None:
-                return r
-    return None
-
-
-def preflight_problems(info: dict, mode: str) -> tuple[list[str], list[str]]:
-    """(errors, warnings) about a server's /server_info for capture in `mode`."""
-    errors, warnings = [], []
-    version = info.get("version")
-    if version != TARGET_SGLANG_VERSION:
-        warnings.append(f"server runs SGLang {version}, eaglenest targets {TARGET_SGLANG_VERSION}")
-    if (find_key(info, "pp_size") or 1) > 1:
-        errors.append("pp_size > 1: capture needs pipeline parallelism off")
-    if find_key(info, "enable_dp_attention"):
-        errors.append("DP attention is on: the plugin writes from TP rank 0 only")
-    if mode == "plugin":
-        cg = find_key(info, "cuda_graph_config")
-        backend = (cg or {}).get("prefill", {}).get("backend") if isinstance(cg, dict) else find_key(info, "cuda_graph_backend_prefill")
-        if backend not in (None, "disabled"):
-            errors.append(f"prefill CUDA graph backend is {backend!r}: a replayed graph runs no Python hooks; "
-                          "launch with --cuda-graph-backend-prefill disabled")
-        if find_key(info, "enable_two_batch_overlap"):
-            warnings.append("two-batch overlap is on: DeepseekV2 aux layers under TBO cannot be observed (those samples fail)")
-    else:
-        if not (find_key(info, "enable_return_hidden_states") or find_key(info, "return_hidden_states_mode") == "full"):
-            errors.append("the server was not started with --enable-return-hidden-states")
-    return errors, warnings
-
-
-# ------------------------------------------------------------------------------------- engine
 
 
 class SGLangEngine(Engine):
@@ -535,6 +243,9 @@ class SGLangEngine(Engine):
                                          "with --sglang-skip-preflight)") from None
                 self.server_versions[url] = str(info.get("version"))
                 errors, warnings = preflight_problems(info, mode)
+                if client is self.aux_client and (bad := aux_server_problem(info, self.architecture, self.num_layers,
+                                                                           self.layer_ids)) is not None:
+                    errors.append(f"aux server {bad}")
                 for w in warnings:
                     print(f"sglang: warning: {url}: {w}", file=sys.stderr)
                 if errors:
@@ -602,7 +313,7 @@ class SGLangEngine(Engine):
     def capture(self, batch: list[Request]) -> list[Captured | Failure]:
         if self.mode == "stock" and self.aux_client is None:
             raise EaglenestError(
-                "stock SGLang (--enable-return-hidden-states) returns only the post-norm final state, not the three aux "
+                "stock SGLang (--enable-return-hidden-states) returns only the post-norm final state, not the aux "
                 "states EAGLE-3 trains on: use --sglang-mode plugin (eaglenest's capture plugin), or add "
                 "--sglang-aux-url servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
                 "(see docs/sglang.md)")
@@ -650,7 +361,7 @@ class SGLangEngine(Engine):
             _remove(f)
 
     def _collect(self, rid: str, r: Request) -> Captured | Failure:
-        """Wait for the plugin's files of `rid`, check them, assemble [T, 3H] and [T, H]."""
+        """Wait for the plugin's files of `rid`, check them, assemble [T, n*H] (n = len(layer_ids)) and [T, H]."""
         import torch
         from safetensors import safe_open
 
@@ -716,10 +427,10 @@ class SGLangEngine(Engine):
         ids = torch.cat([p["input_ids"] for p in parts])[:T]
         aux = torch.cat([p["aux_hidden_states"] for p in parts])[:T]
         last = torch.cat([p["last_hidden_state"] for p in parts])[:T]
-        H = self.hidden_size
-        if tuple(aux.shape) != (T, 3 * H) or tuple(last.shape) != (T, H):
+        H, n = self.hidden_size, len(self.layer_ids)
+        if tuple(aux.shape) != (T, n * H) or tuple(last.shape) != (T, H):
             return Failure(r.id, "bad_shape", f"captured aux {tuple(aux.shape)} / final {tuple(last.shape)}, expected "
-                           f"{(T, 3 * H)} / {(T, H)}")
+                           f"{(T, n * H)} / {(T, H)}")
         return Captured(r.id, ids.to(torch.long), aux.contiguous(), last.contiguous())
 
     def _capture_stock(self, reqs: list[Request]) -> list[Captured | Failure]:
@@ -727,7 +438,7 @@ class SGLangEngine(Engine):
 
         got = {}
         for name, client in (("final", self.client), ("aux", self.aux_client)):
-            res, _ = self._post_isolating(client, reqs, CAPTURE_RID_PREFIX, capture_sampling(), extra_key=True, hidden=True)
+            res, _ = self._post_isolating(client, reqs, STOCK_RID_PREFIX, capture_sampling(), extra_key=True, hidden=True)
             got[name] = res
         out = []
         H = self.hidden_size
@@ -735,7 +446,7 @@ class SGLangEngine(Engine):
             T = len(r.input_ids)
             tensors = {}
             fail = None
-            for name, width in (("final", H), ("aux", 3 * H)):
+            for name, width in (("final", H), ("aux", len(self.layer_ids) * H)):
                 x = got[name][k]
                 if isinstance(x, Failure):
                     fail = x

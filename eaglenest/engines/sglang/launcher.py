@@ -1,15 +1,16 @@
 """Start SGLang 0.5.23's CPU engine on its torch-native path, on every CPU:
 
-    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=<eaglenest>:<eaglenest/engines/sglang_compat> \\
-        .venv-sglang/bin/python -m eaglenest.engines.sglang_launch --model-path M --device cpu ...
+    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=<eaglenest>:<eaglenest/engines/sglang/compat> \\
+        .venv-sglang/bin/python -m eaglenest.engines.sglang.launcher --model-path M --device cpu ...
 
-(the arguments are SGLang's own `launch_server` arguments; `eaglenest.engines.sglang.server_command`
-builds the whole line).  Runs in the SGLang virtualenv: stdlib and torch only, no eaglenest imports.
+(the arguments are SGLang's own `launch_server` arguments; `eaglenest.engines.sglang.server.server_command`
+builds the whole line).  Runs in the SGLang virtualenv: stdlib and torch only; of eaglenest only the
+parent packages' `__init__` files load, and they import nothing but the stdlib (tests/test_sglang_modules.py).
 
 Why a launcher (facts from SGLang 0.5.23's source, see docs/sglang.md):
 
   * SGLang's CPU kernels (`sgl_kernel`) ship on PyPI for CUDA only; eaglenest gives SGLang an
-    importable `sgl_kernel` with no kernels (`sglang_compat/sgl_kernel`).  Every CPU kernel call
+    importable `sgl_kernel` with no kernels (`compat/sgl_kernel`).  Every CPU kernel call
     is gated on `sglang.srt.utils.common.cpu_has_amx_support()`, i.e. the module-level
     `is_amx_tile_supported = torch.cpu._is_amx_tile_supported()` (read once, when that module is
     imported) and a registered `torch.ops.sgl_kernel.convert_weight_packed`.  On an Intel CPU with

@@ -1,29 +1,24 @@
 """`eaglenest sglang-plugin install|uninstall|check|command`: put eaglenest's capture plugin into an
 SGLang environment, verify that environment, print the server launch commands.
 
-install: copies `eaglenest/engines/sglang_plugin.py` into the SGLang environment's site-packages as
-the top-level module `eaglenest_sglang_capture` together with a minimal `*.dist-info` whose
-`entry_points.txt` registers it in SGLang's general-plugin group `sglang.srt.plugins` -- the
-mechanism SGLang 0.5.23 uses to load plugins in every server process (`load_plugins()`).  The
-plugin does nothing unless the server runs with EAGLENEST_SGLANG_CAPTURE_DIR set.
+install: copies the plugin (`plugin.py`) into the SGLang environment's site-packages with an entry
+point SGLang loads (install.py says how).  check: the environment's SGLang against the targeted
+version and the hook points the plugin uses.  command: the server launch command of each mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from eaglenest import EaglenestError, __version__
-from eaglenest.engines import sglang_plugin as plugin
-
-DIST_DIR_GLOB = "eaglenest_sglang_capture-*.dist-info"
+from eaglenest import EaglenestError
+from eaglenest.engines.sglang import plugin
+from eaglenest.engines.sglang.install import install_into, uninstall_from
 
 
 def register(sub) -> None:
@@ -84,52 +79,6 @@ def site_dir(python: str | None, target: str | None) -> Path:
     return Path(out.stdout.strip())
 
 
-def plugin_source() -> str:
-    src = Path(plugin.__file__).read_text(encoding="utf-8")
-    return f"# installed by eaglenest {__version__} from eaglenest/engines/sglang_plugin.py -- do not edit\n" + src
-
-
-def install_into(d: Path) -> list[Path]:
-    """Write the module and its dist-info into `d`; returns the files written."""
-    uninstall_from(d)
-    mod = d / f"{plugin.MODULE_NAME}.py"
-    mod.write_text(plugin_source(), encoding="utf-8")
-    info = d / f"{plugin.MODULE_NAME}-{__version__}.dist-info"
-    info.mkdir()
-    files = {
-        "METADATA": f"Metadata-Version: 2.1\nName: {plugin.DIST_NAME}\nVersion: {__version__}\n"
-                    f"Summary: eaglenest capture plugin for SGLang {plugin.TARGET_SGLANG_VERSION}\n",
-        "entry_points.txt": f"[{plugin.ENTRY_POINT_GROUP}]\n{plugin.ENTRY_POINT_NAME} = {plugin.MODULE_NAME}:register\n",
-        "top_level.txt": f"{plugin.MODULE_NAME}\n",
-        "INSTALLER": "eaglenest\n",
-    }
-    for name, text in files.items():
-        (info / name).write_text(text, encoding="utf-8")
-    written = [mod] + [info / n for n in files]
-    rows = []
-    for f in written:
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        rows.append(f"{f.relative_to(d)},sha256={digest},{f.stat().st_size}")
-    rows.append(f"{(info / 'RECORD').relative_to(d)},,")
-    (info / "RECORD").write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return written + [info / "RECORD"]
-
-
-def uninstall_from(d: Path) -> list[Path]:
-    removed = []
-    for f in [d / f"{plugin.MODULE_NAME}.py", *d.glob(DIST_DIR_GLOB)]:
-        if f.is_dir():
-            shutil.rmtree(f)
-            removed.append(f)
-        elif f.exists():
-            f.unlink()
-            removed.append(f)
-    cache = d / "__pycache__"
-    for f in cache.glob(f"{plugin.MODULE_NAME}.*.pyc") if cache.is_dir() else []:
-        f.unlink()
-    return removed
-
-
 def _install(args) -> int:
     d = site_dir(args.python, args.target)
     written = install_into(d)
@@ -164,7 +113,7 @@ def probe(python: str, cpu: bool = False) -> dict:
     `cpu`: then eaglenest's launcher prepares the process first, as for the servers eaglenest starts)."""
     env = None
     if cpu:
-        from eaglenest.engines.sglang import cpu_server_pythonpath
+        from eaglenest.engines.sglang.server import cpu_server_pythonpath
 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, cpu_server_pythonpath())),
                    **{plugin.ENV_CPU_LAUNCHER: "1"})
@@ -254,12 +203,12 @@ def launch_command(model: str, mode: str, *, layer_ids: list[int], num_layers: i
     if mode == "stock-aux":
         # --return-aux-hidden-state-layer-ids goes through set_eagle3_layers_to_capture: the model
         # family's rule decides which ids make SGLang capture these layers
-        from eaglenest.engines.sglang import sglang_layer_ids_for
+        from eaglenest.export.layer_ids import rule_text, sglang_ids_for
 
-        ids = sglang_layer_ids_for(architecture, layer_ids)
+        ids = sglang_ids_for(architecture, num_layers, layer_ids)
         if ids is None:
             raise EaglenestError(f"SGLang 0.5.23 cannot capture before layers {layer_ids} of a {architecture} model "
-                                 "(its rule adds 1 only when the first id is 1)")
+                                 f"({rule_text('sglang', architecture)})")
         out_of = " ".join(map(str, ids))
         return (f"{base} --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
                 f"--return-aux-hidden-state-layer-ids {out_of} --disable-radix-cache")

@@ -1,0 +1,38 @@
+"""Which of CI's CPU kinds this machine is, read from /proc/cpuinfo's flags (never a model string):
+CI runs on Intel Xeons with AMX and on AMD EPYCs with AVX-512 BF16 and no AMX.  On those, the
+greedy-exactness probe is expected to pass, so a test that relies on it fails there instead of
+skipping; anywhere else (another CPU, no /proc) it may skip, saying why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CI_KINDS = ("intel-amx", "amd-avx512-bf16")
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str | None:
+    """'intel-amx', 'amd-avx512-bf16' or None (not a CI kind, or unknown)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    if "amx_tile" in flags:
+        return "intel-amx"
+    if fields.get("vendor_id") == "AuthenticAMD" and "avx512_bf16" in flags:
+        return "amd-avx512-bf16"
+    return None
+
+
+def require_exact_on_ci_cpus(verification: dict, kind: str | None = None) -> None:
+    """A report's `verification` block must say exact on a CI CPU kind (elsewhere it may not)."""
+    kind = cpu_kind() if kind is None else kind
+    if kind and not verification["exact"]:
+        ends = verification.get("probe_result", {}).get("end_to_end") or [{}]
+        raise AssertionError(f"verification is not bit-identical on a {kind} CPU (one CI runs on), where it must be: "
+                             f"{ends[-1].get('first_difference')}")
