@@ -412,7 +412,7 @@ def report_header(engine: str, a, dataset: str, n_prompts: int, records: list[di
 
 
 PER_PROMPT_KEYS = ("id", "turn", "tau", "generated_tokens", "verify_steps", "verified_tokens", "accepted_per_position",
-                   "finish_reason", "wall_s", "draft_s", "baseline_wall_s", "baseline_tokens", "matches_baseline",
+                   "finish_reason", "wall_s", "baseline_wall_s", "baseline_tokens", "matches_baseline",
                    "output_ids")  # the generated ids: reports of two engines can be compared prompt by prompt
 
 
@@ -422,6 +422,8 @@ def finish_report(report: dict, records: list[dict], steps: int, mismatches: lis
     report.update(summarize(records, steps))
     report.setdefault("baseline_tokens_per_s", None)
     report.setdefault("speedup", None)
+    for k in ("draft_s", "draft_ms_per_round", "draft_share_of_wall"):  # known where our decoder times its draft
+        report.setdefault(k, None)
     report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
     report["greedy_matches_baseline"] = None if mismatches is None else not mismatches
     if mismatches is not None:
@@ -536,6 +538,7 @@ def format_table(r: dict) -> str:
         ("spec tokens/s", f(r.get("spec_tokens_per_s"), ".1f")),
         ("baseline tokens/s", f(r.get("baseline_tokens_per_s"), ".1f")),
         ("speedup", f(r.get("speedup"), ".2f", "x")),
+        ("draft cost per round", f(r.get("draft_ms_per_round"), ".1f", " ms")),
         ("greedy output == baseline", "-" if match is None else ("yes" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ)")),
     ]
     if "verification" in r:  # hf engine: how verification was made exact (or not), see exact.py
