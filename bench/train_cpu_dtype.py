@@ -41,7 +41,7 @@ def child(features: str, dtype: str, steps: int, freeze_head: bool, accuracy_ste
         tr = Trainer(config(out, 10 * steps))
         from eaglenest.train.trainer import ARGMAX_CACHE_TOKENS
 
-        tr._argmax_room = ARGMAX_CACHE_TOKENS  # a run of several epochs caches; this short one replays epoch 1's batches
+        tr.objective._argmax_room = ARGMAX_CACHE_TOKENS  # a run of several epochs caches; this short one replays epoch 1's batches
 
         def step(s: int) -> tuple[int, float]:
             loss_val, n, _, _ = tr.optimizer_step(tr.source.load(s))

@@ -77,11 +77,11 @@ def test_argmax_cache_of_later_epochs_changes_nothing(tiny_llama_dir, tiny_store
     spe = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "probe", grad_accum=1)).schedule.steps_per_epoch
     t = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "cached", grad_accum=1, max_steps=2 * spe + 1))  # into a 3rd epoch
     t.fit()
-    assert set(map(tuple, t.schedule.batches)) <= set(t._argmax)
+    assert set(map(tuple, t.schedule.batches)) <= set(t.objective._argmax)
     monkeypatch.setattr(trainer_mod, "ARGMAX_CACHE_TOKENS", 0)
     t2 = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "plain", grad_accum=1, max_steps=2 * spe + 1))
     t2.fit()
-    assert not t2._argmax
+    assert not t2.objective._argmax
     rows = lambda run: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     a, b = rows(tmp_path / "cached"), rows(tmp_path / "plain")
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)

@@ -17,8 +17,9 @@ class CaptureConfig:
     data: str | None = option(None, "DATA_DIR written by `eaglenest prepare` (required unless --dry-run --tokens)")
     out: str = option(help="feature store directory (created or resumed)")
     engine: str = option("hf", "which engine runs the target", choices=engine_names)
-    layers: str = option("auto", "aux layer ids, capture-before convention: auto (EAGLE-3's [2, N//2, N-3]) or any "
-                         "number of increasing ids i,j,k,... (DFlash: five spread over the depth)")
+    layers: str = option("auto", "aux layer ids, capture-before convention: auto (EAGLE-3's [2, N//2, N-3]), dflash "
+                         "(DFlash's default: five spread over the depth, [2, 9, 15, 21, 28] for 30 layers) or any "
+                         "number of increasing ids i,j,k,...")
     batch_tokens: int = option(8192, "max padded tokens per batch")
     dtype: str = option("bf16", "dtype the target runs in (an fp32 run keeps an fp32 store under --store-dtype auto)",
                         choices=["bf16", "fp32"])

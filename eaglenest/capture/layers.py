@@ -35,6 +35,9 @@ def from_output_of(ids: list[int]) -> list[int]:
     return [k + 1 for k in ids]
 
 
+DFLASH_LAYERS = 5  # target layers a DFlash draft reads by default (the reference configs' count)
+
+
 def spread_layer_ids(num_layers: int, count: int) -> list[int]:
     """`count` layers spread over the depth, capture-before: DFlash's default.  The reference
     (`build_target_layer_ids` in SGLang 0.5.23 sglang/srt/speculative/dflash_utils.py, which
@@ -54,9 +57,12 @@ def spread_layer_ids(num_layers: int, count: int) -> list[int]:
 
 
 def parse_layer_ids(spec: str | list[int] | None, num_layers: int) -> list[int]:
-    """`auto`/None -> the canonical EAGLE-3 ids; `i,j,k,...` (any count) -> validated capture-before ids."""
+    """`auto`/None -> the canonical EAGLE-3 ids; `dflash` -> DFlash's default (DFLASH_LAYERS spread over
+    the depth); `i,j,k,...` (any count) -> validated capture-before ids."""
     if spec in (None, "", "auto"):
         return default_layer_ids(num_layers)
+    if spec == "dflash":
+        return spread_layer_ids(num_layers, DFLASH_LAYERS)
     if isinstance(spec, str):
         try:
             ids = [int(x) for x in spec.split(",")]

@@ -49,6 +49,32 @@ def eager_attention(qg, k, v, mask, diag_kv, scale: float):
     return out
 
 
+def block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale: float):
+    """DFlash's attention: each block of queries sees a prefix of the context keys and every key of
+    its own block (non-causal inside the block), nothing of other blocks.
+
+    qg [B, kv, g, N, S, hd] (N blocks of S queries), ctx_k/ctx_v [B, kv, T, hd], blk_k/blk_v
+    [B, kv, N, S, hd], ctx_visible [B, N] int: block n sees context keys 0..ctx_visible[b, n]-1.
+    Materializes [.., N*S, T] context scores (fine for CPU-sized batches; a decoding round has N = 1).
+    Computed in >= fp32 with autocast off: the inputs are small, the scores large, and casting the
+    scores (bf16 matmul out, fp32 softmax, bf16 matmul in) would copy them twice more."""
+    B, n_kv, g, N, S, hd = qg.shape
+    T = ctx_k.shape[2]
+    out_dtype = qg.dtype
+    acc = torch.promote_types(qg.dtype, torch.float32)
+    with torch.autocast(qg.device.type, enabled=False):
+        q = qg.to(acc) * scale
+        sc = torch.matmul(q.reshape(B, n_kv, g, N * S, hd), ctx_k.to(acc).unsqueeze(2).transpose(-1, -2))  # [B, kv, g, N*S, T]
+        seen = torch.arange(T, device=qg.device)[None, None, :] < ctx_visible[:, :, None]  # [B, N, T]
+        seen = seen[:, :, None, :].expand(B, N, S, T).reshape(B, 1, 1, N * S, T)
+        sc = sc.masked_fill_(~seen, float("-inf")).view(B, n_kv, g, N, S, T)  # in place: matmul's backward needs only its inputs
+        sb = torch.matmul(q, blk_k.to(acc).unsqueeze(2).transpose(-1, -2))  # [B, kv, g, N, S, S]
+        p = torch.softmax(torch.cat([sc, sb], dim=-1), dim=-1)  # a block's own keys: never all masked
+        out = torch.matmul(p[..., :T].reshape(B, n_kv, g, N * S, T), ctx_v.to(acc).unsqueeze(2)).view(B, n_kv, g, N, S, hd)
+        out = out + torch.matmul(p[..., T:], blk_v.to(acc).unsqueeze(2))
+    return out.to(out_dtype)
+
+
 def merge_diagonal(out_c, lse_c, qg, diag_kv, scale: float):
     """Exact merge of the diagonal keys into a causal result (out_c, lse_c):
     out = (e^lse_c out_c + sum_i e^s_i v_i) / (e^lse_c + sum_i e^s_i)."""

@@ -76,6 +76,12 @@ class DraftConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # the draft kind: "eagle3" (this file) or "dflash" (draft/dflash.py: `aux_layer_ids` are its target layers, any
+    # count); configs written before the field existed are EAGLE-3 drafts
+    kind: str = "eagle3"
+    num_hidden_layers: int = 1  # decoder layers (EAGLE-3: exactly one)
+    block_size: int = 0  # DFlash: tokens per drafted block (anchor + block_size - 1 masks); 0 for EAGLE-3
+    mask_token_id: int | None = None  # DFlash: the target token whose (frozen) embedding marks a masked slot
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None,
@@ -294,14 +300,44 @@ class MidLayer(nn.Module):
         return h, new_kv
 
 
-class Eagle3Draft(nn.Module):
+class DraftVocab:
+    """What every draft kind does with tokens (mixed into Eagle3Draft and dflash.DFlashDraft): the
+    frozen target embeddings `embed_tokens`, `norm` + `lm_head` over the draft vocabulary, and the
+    d2t/t2d mapping to target ids."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from a pre-norm hidden."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def exported_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}
+
+    def register_vocab(self, cfg: DraftConfig, embed_weight: torch.Tensor | None) -> None:
+        """The buffers: the frozen target embeddings (not persistent, so optimizers and exports never
+        see them) and the zeroed d2t/t2d mapping (set_vocab fills it)."""
+        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+
+class Eagle3Draft(DraftVocab, nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
-        # frozen target embeddings; a buffer, so optimizers and exports never see it
-        emb = embed_weight if embed_weight is not None else torch.zeros(cfg.vocab_size, H)
-        self.register_buffer("embed_tokens", emb.detach().clone(), persistent=False)
+        self.register_vocab(cfg, embed_weight)
         # EAGLE 3.1: each aux state RMS-normed on its own before fc (None: EAGLE-3)
         self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
@@ -309,13 +345,8 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.rotary = Rotary(cfg)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
-    # --- pieces ---------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
-
+    # --- pieces (embed, logits, to_target_ids, set_vocab: DraftVocab) -----------------------
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """[.., 3H_target] aux concat (low ; mid ; high) -> [.., H]; with `fc_norm` each H-wide
         chunk is RMS-normed by its own norm first (both engines' combine step)."""
@@ -344,17 +375,6 @@ class Eagle3Draft(nn.Module):
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits from a pre-norm hidden."""
-        return self.lm_head(self.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
     # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
     def forward(self, input_ids, aux_hidden_states, position_ids=None):
         """Step 0 over a whole sequence with a causal mask: logits [B, T, draft_vocab]."""
@@ -363,7 +383,3 @@ class Eagle3Draft(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         h, _ = self.ttt_step(input_ids, self.fuse(aux_hidden_states), position_ids)
         return self.logits(h)
-
-    def exported_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exactly the portable checkpoint's tensors (no embed_tokens, no rotary buffers)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}

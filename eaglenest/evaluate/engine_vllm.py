@@ -4,7 +4,8 @@
     `--speculative-config {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": steps}`
     (vLLM drafts a chain: --topk 1 only; draft tokens = steps + 1); at temperature > 0 also
     `"draft_sample_method"`: probabilistic for `--draft-sampling sample` (our decoder's standard
-    rule), greedy for `argmax`.
+    rule), greedy for `argmax`.  A DFlash draft is served with `"method": "dflash"` and steps = its
+    block_size - 1 (evaluate/run.py resolve_draft_steps).
   * The benchmark prompts go one at a time (batch size 1, like the in-process evaluator) as token
     ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
   * tau comes from the server's Prometheus counters, snapshotted before and after each request:
@@ -126,7 +127,7 @@ def run_eval(args) -> dict:
     max_len = int(ea.get("max_model_len") or min(int(getattr(tcfg, "max_position_embeddings", 4096) or 4096), 4096))
     extra = [ea["server_arg"]] if ea.get("server_arg") else []
     startup = float(ea.get("startup_timeout", 600))
-    spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
+    spec_cfg = {"method": "dflash" if dcfg.kind == "dflash" else "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
     if temp > 0:  # how vLLM drafts at temperature > 0, as --draft-sampling says (vLLM's own default: greedy)
         spec_cfg["draft_sample_method"] = "probabilistic" if draft_sampling(a) == "sample" else "greedy"
 

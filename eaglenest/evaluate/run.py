@@ -72,7 +72,7 @@ def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
     if cfg.target_hidden_size != H:
         raise EaglenestError(
             f"{where} was trained for a target with hidden size {cfg.target_hidden_size} "
-            f"(fc takes 3x{cfg.target_hidden_size}), but this target has hidden size {H}"
+            f"(fc takes {len(cfg.aux_layer_ids)}x{cfg.target_hidden_size}), but this target has hidden size {H}"
         )
     if cfg.hidden_size != H:
         raise EaglenestError(
@@ -85,6 +85,10 @@ def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
     if cfg.target_num_layers and cfg.target_num_layers != N:
         raise EaglenestError(f"{where} was trained for a {cfg.target_num_layers}-layer target, this target has {N} layers")
     ids = list(cfg.aux_layer_ids)
+    if cfg.kind == "dflash":  # any number of target layers, each a decoder layer's input (capture-before 1..N-1)
+        if not ids or any(not 1 <= k < N for k in ids) or sorted(set(ids)) != ids:
+            raise EaglenestError(f"{where} target layers {ids} do not fit a {N}-layer target (increasing capture-before ids in 1..{N - 1})")
+        return
     if len(ids) != 3 or any(not 0 <= k < N for k in ids):
         raise EaglenestError(
             f"{where} aux layer ids {ids} do not fit a {N}-layer target (three capture-before ids in 0..{N - 1})"
@@ -110,7 +114,9 @@ def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
 
     check_draft_dir(draft_dir, target.config)
     emb = target.get_input_embeddings().weight
-    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype)
+    head = target.get_output_embeddings()
+    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype,
+                       lm_head_weight=None if head is None else head.weight)
     check_draft_fits(draft.cfg, target.config, where=f"draft {draft_dir}")
     why = check_vocab(draft.d2t.cpu(), draft.t2d.cpu())
     if why:
@@ -134,6 +140,9 @@ def summarize(records: list[dict], steps: int) -> dict:
         "spec_wall_s": wall,
         "spec_tokens_per_s": gen / wall if wall > 0 else None,
     }
+    if vsteps and all("draft_s" in r for r in records):  # our decoder times its draft: the drafting cost per round
+        ds = sum(r["draft_s"] for r in records)
+        out.update(draft_s=ds, draft_ms_per_round=1000 * ds / vsteps, draft_share_of_wall=ds / wall if wall > 0 else None)
     base = [r for r in records if r.get("baseline_wall_s") is not None]
     if base:
         # the speedup compares the two decoders on the same generations (--baseline-limit may
@@ -193,8 +202,13 @@ class HFEvaluator:
         draft = load_draft_for_target(a.draft, target, device, tdtype)
         self.eos = eos = set(eos_token_ids(resolve_model_path(a.model), tok))
         temp = float(a.temperature)
-        self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp, seed=a.seed,
-                                draft_sampling=draft_sampling(a))
+        if draft.cfg.kind == "dflash":  # a block per round; steps = block_size - 1 (resolve_draft_steps)
+            from eaglenest.evaluate.dflash import DFlashDecoder
+
+            self.spec = DFlashDecoder(target, draft, eos, temperature=temp, seed=a.seed)
+        else:
+            self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp,
+                                    seed=a.seed, draft_sampling=draft_sampling(a))
         self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
         # warm-up (first calls of the CPU kernels pay one-time setup): not timed, not reported
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
@@ -228,6 +242,7 @@ class HFEvaluator:
                 "accepted_per_position": r.accepted_per_position,
                 "finish_reason": r.finish_reason,
                 "wall_s": r.wall_s,
+                "draft_s": r.draft_s,
                 "output_ids": r.output_ids,
             }
             if with_base:
@@ -413,6 +428,8 @@ def finish_report(report: dict, records: list[dict], steps: int, mismatches: lis
     report.update(summarize(records, steps))
     report.setdefault("baseline_tokens_per_s", None)
     report.setdefault("speedup", None)
+    for k in ("draft_s", "draft_ms_per_round", "draft_share_of_wall"):  # known where our decoder times its draft
+        report.setdefault(k, None)
     # what the comparison covered: prompts decoded plainly too, and generations compared token by token
     report["baseline_prompts"] = len({r["id"] for r in records if "baseline_wall_s" in r})
     report["texts_compared"] = sum("matches_baseline" in r for r in records)
@@ -476,6 +493,7 @@ def evaluate(args) -> dict:
     if args.engine == "sglang" and float(args.temperature) > 0 and draft_sampling(args) != "argmax":
         raise EaglenestError("SGLang verifies the draft's argmax (top-k) candidates at temperature > 0, never tokens "
                              "sampled from the draft: pass --draft-sampling argmax with --engine sglang")
+    resolve_draft_steps(args)
     from eaglenest.export.check import assert_draft_ok
 
     if (Path(args.draft) / "config.json").exists():  # a server engine's draft may live on the server only
@@ -501,6 +519,28 @@ def greedy_summary(r: dict) -> str:
     return f"yes, {of}" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ; {of})"
 
 
+def resolve_draft_steps(args) -> None:
+    """A DFlash draft drafts block_size - 1 tokens per round, in a chain: set args.steps to that (every
+    evaluator reads it) and refuse settings it cannot honour.  `--steps` other than its default (3)
+    or that number is an error: a shorter block would not be the function the draft was trained as."""
+    from eaglenest.export.format import is_dflash, read_draft_config
+
+    if not (Path(args.draft) / "config.json").exists():
+        return
+    raw, cfg = read_draft_config(args.draft)
+    if not is_dflash(raw):
+        return
+    n = cfg.block_size - 1
+    if int(args.topk) != 1:
+        raise EaglenestError(f"a DFlash draft proposes one block per round (a chain): --topk must be 1 (got {args.topk})")
+    if int(args.steps) not in (3, n):
+        raise EaglenestError(f"a DFlash draft with block_size {cfg.block_size} drafts {n} tokens per round: --steps must be {n} "
+                             f"(got {args.steps})")
+    if args.num_draft_tokens not in (None, n + 1):
+        raise EaglenestError(f"a DFlash draft verifies block_size = {n + 1} tokens per round (got --num-draft-tokens {args.num_draft_tokens})")
+    args.steps = n
+
+
 def format_table(r: dict) -> str:
     def f(x, spec=".2f", suffix=""):
         return "-" if x is None else f"{x:{spec}}{suffix}"
@@ -517,6 +557,7 @@ def format_table(r: dict) -> str:
         ("spec tokens/s", f(r.get("spec_tokens_per_s"), ".1f")),
         ("baseline tokens/s", f(r.get("baseline_tokens_per_s"), ".1f")),
         ("speedup", f(r.get("speedup"), ".2f", "x")),
+        ("draft cost per round", f(r.get("draft_ms_per_round"), ".1f", " ms")),
         ("greedy output == baseline", greedy_summary(r)),
     ]
     if "verification" in r:  # hf engine: how verification was made exact (or not), see exact.py

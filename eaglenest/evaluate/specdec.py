@@ -58,6 +58,7 @@ class GenResult:
     accepted_per_position: list[int] = field(default_factory=list)  # [S]: steps where draft pos i was accepted
     wall_s: float = 0.0
     finish_reason: str = "length"  # "stop" (an eos/end-of-turn token) or "length"
+    draft_s: float = 0.0  # of wall_s: in the draft (proposals and its cache updates), the drafting cost
 
     @property
     def tau(self) -> float | None:
@@ -466,7 +467,9 @@ class SpecDecoder:
         if first in self.eos or max_new_tokens <= 1:
             res.finish_reason = "stop" if first in self.eos else "length"
         else:
+            t = time.perf_counter()
             self._draft_extend(st, prompt_ids[1:] + [first], aux)
+            res.draft_s += time.perf_counter() - t
             while True:
                 new, feats_for_next = self._round(st, cache, res)
                 new, stopped = _first_stop(new, self.eos, max_new_tokens - len(out))
@@ -477,7 +480,9 @@ class SpecDecoder:
                     res.finish_reason = "stop" if stopped else "length"
                     break
                 # step-0 entries for the committed indices: token after each path node, its f
+                t = time.perf_counter()
                 self._draft_extend(st, new, feats_for_next)
+                res.draft_s += time.perf_counter() - t
         res.output_ids = out
         self.last_round = st  # kept for inspection (tests check the draft cache against a recompute)
         res.wall_s = time.perf_counter() - t0
@@ -485,7 +490,9 @@ class SpecDecoder:
 
     def _round(self, st: _Round, cache, res: GenResult) -> tuple[list[int], torch.Tensor]:
         """Draft, verify, accept; -> (new committed tokens, aux states of the accepted path)."""
+        t = time.perf_counter()
         prop = self.propose(st)
+        res.draft_s += time.perf_counter() - t
         n = len(prop.tokens)
         Lt = cache.get_seq_length()  # = L-1: position of the root x_{L-1}
         ids = [st.tokens[-1]] + prop.tokens

@@ -79,7 +79,7 @@ def judge_draft(draft_dir: Path | str, model: str | Path | None = None, trained:
     overrides the layers read from the config (see export/layer_ids.py `trained_layers`);
     `weights=False` judges config.json alone (what `eval` does before it starts an engine)."""
     raw, cfg = read_draft_config(draft_dir)
-    return judge(raw, cfg, read_draft_tensors(draft_dir) if weights else None, model, trained)
+    return judge(raw, cfg, read_draft_tensors(draft_dir, cfg.kind) if weights else None, model, trained)
 
 
 def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] | None = None) -> Report:
@@ -87,6 +87,11 @@ def judge(raw: dict, cfg, tensors: dict | None, model=None, trained: list[int] |
     big to write, e.g. the Kimi-K2.5 shape in a test) get the shape and dtype checks only.
     `model`: a target directory, known name or config dict."""
     r = Report()
+    if cfg.kind == "dflash":  # its own layout and engine code paths
+        from eaglenest.export import dflash
+
+        dflash.judge(r, raw, cfg, tensors, model, trained)
+        return r
     flat = flat_config(raw)
     arch = (raw.get("architectures") or [None])[0]
     if "speculators_model_type" in raw:
@@ -182,7 +187,8 @@ def _judge_mla(r: Report, cfg) -> None:
                        "(GPU backends are not limited so)")
 
 
-def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
+def _judge_tensors(r: Report, cfg, tensors: dict, optional=()) -> None:
+    """Keys, shapes, dtypes and finiteness against the contract; `optional` keys may be absent."""
     exp = expected_tensors(cfg)
     said = set()  # tensors a summary line below already accounts for
     norms = {k for k in tensors if k.startswith("fc_norm.")}
@@ -203,7 +209,7 @@ def _judge_tensors(r: Report, cfg, tensors: dict) -> None:
     for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"} - said):
         r.error(f"model.safetensors: unexpected tensor {k}")
     for k, (shape, dtype) in exp.items():
-        if k in said:
+        if k in said or (k not in tensors and k in optional):
             continue
         if k not in tensors:
             r.error(f"model.safetensors: missing {k}" + (" (served without it, acceptance collapses to 1.0)" if k == "lm_head.weight" else ""))
@@ -231,24 +237,7 @@ def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: b
 
     t = target_facts(model)
     n = t.num_layers
-    if cfg.target_hidden_size != t.hidden_size:
-        r.error(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {t.hidden_size}: this draft is for another target")
-    if cfg.hidden_size != t.hidden_size:
-        r.error(f"draft hidden size {cfg.hidden_size} != target hidden size {t.hidden_size} (engines feed it the target's embeddings)")
-    if cfg.vocab_size != t.vocab_size:
-        r.error(f"vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}: this draft is for another tokenizer")
-    if cfg.draft_vocab_size > t.vocab_size:
-        r.error(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target vocabulary {t.vocab_size}")
-    if cfg.max_position_embeddings < t.max_position_embeddings:
-        r.error(f"max_position_embeddings {cfg.max_position_embeddings} < target's {t.max_position_embeddings} (engines clamp the draft's RoPE)")
-    if dict(cfg.rope_parameters) != t.rope_parameters:
-        msg = f"rope parameters {dict(cfg.rope_parameters)} differ from the target's {t.rope_parameters}"
-        (r.error(msg) if ours else r.warnings.append(msg + " (another trainer's choice: served as written)"))
-    dc = (raw.get("eaglenest") or {}).get("draft_config") or {}
-    if dc.get("target_num_layers") not in (None, 0, n):
-        r.error(f"trained for a {dc['target_num_layers']}-layer target, this one has {n}")
-    if ours and dc.get("target_architecture") not in (None, t.architecture):
-        r.warnings.append(f"trained on a {dc['target_architecture']} target, this one is {t.architecture}")
+    _judge_shape_fit(r, raw, cfg, t, ours)
 
     emb = tensors.get("embed_tokens.weight")
     if emb is not None and tuple(emb.shape) == (t.vocab_size, t.hidden_size):
@@ -274,6 +263,29 @@ def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: b
             continue
         if got != ids:
             r.error(f"would capture before layers {got}, the draft was trained on {ids} ({rule_text(e, t.architecture)})", [e])
+
+
+def _judge_shape_fit(r: Report, raw: dict, cfg, t, ours: bool) -> None:
+    """The draft's sizes, vocabulary and rope against the target's facts `t` (any draft kind)."""
+    n = t.num_layers
+    if cfg.target_hidden_size != t.hidden_size:
+        r.error(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {t.hidden_size}: this draft is for another target")
+    if cfg.hidden_size != t.hidden_size:
+        r.error(f"draft hidden size {cfg.hidden_size} != target hidden size {t.hidden_size} (engines feed it the target's embeddings)")
+    if cfg.vocab_size != t.vocab_size:
+        r.error(f"vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}: this draft is for another tokenizer")
+    if cfg.draft_vocab_size > t.vocab_size:
+        r.error(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target vocabulary {t.vocab_size}")
+    if cfg.max_position_embeddings < t.max_position_embeddings:
+        r.error(f"max_position_embeddings {cfg.max_position_embeddings} < target's {t.max_position_embeddings} (engines clamp the draft's RoPE)")
+    if dict(cfg.rope_parameters) != t.rope_parameters:
+        msg = f"rope parameters {dict(cfg.rope_parameters)} differ from the target's {t.rope_parameters}"
+        (r.error(msg) if ours else r.warnings.append(msg + " (another trainer's choice: served as written)"))
+    dc = (raw.get("eaglenest") or {}).get("draft_config") or {}
+    if dc.get("target_num_layers") not in (None, 0, n):
+        r.error(f"trained for a {dc['target_num_layers']}-layer target, this one has {n}")
+    if ours and dc.get("target_architecture") not in (None, t.architecture):
+        r.warnings.append(f"trained on a {dc['target_architecture']} target, this one is {t.architecture}")
 
 
 def check_draft(draft_dir: Path | str, model: str | Path | None = None, engines=CONSUMERS, trained=None,

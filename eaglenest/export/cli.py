@@ -14,9 +14,12 @@ def register(sub) -> None:
     add_command(
         sub, ExportConfig, _export,
         "export",
-        help="write the portable EAGLE-3 checkpoint (SGLang + vLLM)",
+        help="write the portable draft checkpoint (EAGLE-3: SGLang + vLLM; DFlash: vLLM)",
         description="Write RUN_DIR's latest checkpoint as DRAFT_DIR/config.json + model.safetensors: the EAGLE-3 "
-        "layout both SGLang and vLLM load (fc, midlayer.*, norm, lm_head, d2t, t2d; bf16; no embed_tokens). "
+        "layout both SGLang and vLLM load (fc, midlayer.*, norm, lm_head, d2t, t2d; bf16; no embed_tokens), or a DFlash "
+        "draft in the layout vLLM 0.32 loads with method \"dflash\" (DFlashDraftModel: fc, hidden_norm, layers.N.*, norm, "
+        "lm_head, d2t; export/dflash.py; checked for vLLM by default: SGLang serves DFlash on GPUs only, with the "
+        "target's lm_head). "
         "Aux layer ids are written so that each engine captures the trained layers on this target's class "
         "(docs/sglang.md); a layer set an engine cannot express is refused with the reason. "
         "The result is validated before the command returns. Options can come from a YAML file (--config; flags win).",
@@ -42,9 +45,11 @@ def _export(cfg, args) -> int:
     from eaglenest.export.run import export_run
     from eaglenest.utils import read_json
 
-    engines = tuple(cfg.engine or ENGINES)
+    rc = read_json(Path(cfg.run) / "config.json", "run config")
+    dflash = (rc.get("draft") or {}).get("kind") == "dflash"
+    engines = tuple(cfg.engine or (("vllm",) if dflash else ENGINES))
     out = export_run(cfg.run, cfg.out, engines)
-    model = cfg.model or read_json(Path(cfg.run) / "config.json")["target"]
+    model = cfg.model or rc["target"]
     for w in assert_draft_ok(out, model, engines=(*engines, "hf")):
         print(f"warning: {w}", file=sys.stderr)
     print(out)

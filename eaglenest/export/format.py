@@ -27,6 +27,9 @@ rule (export/layer_ids.py); omitted when the engines' defaults are those layers.
 Other trainers' drafts (SpecForge, TorchSpec: `midlayer.*`, maybe the target's `embed_tokens`;
 speculators: `layers.0.*` + `transformer_layer_config`) are read into the same DraftConfig;
 export/check.py judges how each engine will use them.
+
+DFlash drafts (`DraftConfig.kind == "dflash"`) have their own layout and config: export/dflash.py;
+the functions below dispatch on the kind.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM
 
 
 def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if cfg.kind == "dflash":
+        from eaglenest.export import dflash
+
+        return dflash.expected_tensors(cfg, WEIGHT_DTYPE)
     H, I = cfg.hidden_size, cfg.intermediate_size
     w = WEIGHT_DTYPE
     return {
@@ -92,23 +99,21 @@ def attention_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torc
             "o_proj.weight": ((H, q), w)}
 
 
-def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
+def layer_config(cfg: DraftConfig, extra: dict | None, engines) -> dict:
+    """The config.json keys every draft kind writes alike: the layers' shape, the target's rope
+    (rope_theta/rope_scaling for older readers, rope_parameters for newer), the vocabularies, and
+    our own `eaglenest` block (the exact DraftConfig; engines ignore unknown keys)."""
     rope = dict(cfg.rope_parameters)
-    rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
-    kind = KINDS[cfg.attention]
     if cfg.attention == "mla":
         attn = {"num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
                 "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
                 "rope_interleave": True}  # GPT-J pairs: vLLM always, SGLang unless this is false
     else:
         attn = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
-    c = {
-        "architectures": [kind["architecture"]],
-        "model_type": kind["model_type"],
-        "num_hidden_layers": 1,
+    return {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -116,14 +121,12 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> d
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": rope_theta,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": rope_scaling,
         "rope_parameters": rope,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "fc_norm": cfg.fc_norm,
-        "norm_output": cfg.norm_output,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
@@ -137,6 +140,17 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> d
             **(extra or {}),
         },
     }
+
+
+def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
+    if cfg.kind == "dflash":
+        from eaglenest.export import dflash
+
+        return dflash.hf_config(cfg, extra, engines)
+    kind = KINDS[cfg.attention]
+    c = {"architectures": [kind["architecture"]], "model_type": kind["model_type"], "num_hidden_layers": 1,
+         **layer_config(cfg, extra, engines),
+         "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}  # EAGLE 3.1: top-level keys, as both engines read them
     c.update(config_keys(cfg.target_architecture, cfg.target_num_layers, cfg.aux_layer_ids, engines))
     return c
 
@@ -176,6 +190,28 @@ def flat_config(raw: dict) -> dict:
     return flat
 
 
+def config_from_hf(f: dict, **kw) -> DraftConfig:
+    """A DraftConfig from another trainer's flat config.json, with the engines' defaults for what it
+    leaves out; `kw` sets what depends on the draft kind (its layers, ...)."""
+    kw = {"num_key_value_heads": f.get("num_key_value_heads") or f["num_attention_heads"],
+          "head_dim": f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"], **kw}
+    return DraftConfig(
+        hidden_size=f["hidden_size"],
+        intermediate_size=f["intermediate_size"],
+        num_attention_heads=f["num_attention_heads"],
+        vocab_size=f["vocab_size"],
+        draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
+        target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
+        rms_norm_eps=f.get("rms_norm_eps", 1e-6),
+        hidden_act=f.get("hidden_act", "silu"),
+        max_position_embeddings=f.get("max_position_embeddings", 8192),
+        rope_parameters=normalized_rope(f),
+        bos_token_id=f.get("bos_token_id"),
+        eos_token_id=f.get("eos_token_id"),
+        **kw,
+    )
+
+
 def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     """(config.json as written, DraftConfig).  A draft from another trainer gets the engines'
     defaults for what it leaves out (target_hidden_size = hidden_size, draft_vocab_size =
@@ -185,6 +221,10 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     raw = read_json(draft_dir / "config.json", "draft config")
     if "eaglenest" in raw and "draft_config" in raw["eaglenest"]:
         return raw, DraftConfig.from_dict(raw["eaglenest"]["draft_config"])
+    if is_dflash(raw):
+        from eaglenest.export import dflash
+
+        return raw, dflash.read_config(raw, draft_dir)
     f = flat_config(raw)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in f]
     if missing:
@@ -192,31 +232,20 @@ def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
     ids = f.get("eagle_aux_hidden_state_layer_ids")
     arch = (raw.get("architectures") or [None])[0]
     mla = arch in MLA_ARCHITECTURES or (arch is None and f.get("kv_lora_rank") is not None)
-    cfg = DraftConfig(
-        hidden_size=f["hidden_size"],
-        intermediate_size=f["intermediate_size"],
-        num_attention_heads=f["num_attention_heads"],
-        num_key_value_heads=f["num_attention_heads"] if mla else (f.get("num_key_value_heads") or f["num_attention_heads"]),
-        head_dim=f.get("v_head_dim") if mla else (f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]),
-        vocab_size=f["vocab_size"],
-        draft_vocab_size=f.get("draft_vocab_size") or f["vocab_size"],
-        target_hidden_size=f.get("target_hidden_size") or f["hidden_size"],
-        aux_layer_ids=list(ids) if ids else [],
-        target_num_layers=0,
-        rms_norm_eps=f.get("rms_norm_eps", 1e-6),
-        hidden_act=f.get("hidden_act", "silu"),
-        max_position_embeddings=f.get("max_position_embeddings", 8192),
-        rope_parameters=normalized_rope(f),
-        bos_token_id=f.get("bos_token_id"),
-        eos_token_id=f.get("eos_token_id"),
-        norm_before_residual=bool(f.get("norm_before_residual", False)),
-        # what the engines read: top-level flags (SGLang also takes use_aux_norm for fc_norm)
-        fc_norm=bool(f.get("fc_norm") or f.get("use_aux_norm")),
-        norm_output=bool(f.get("norm_output")),
-        attention="mla" if mla else "gqa",
-        **({k: f.get(k) for k in MLA_FIELDS} if mla else {}),
-    )
+    kw = dict(num_key_value_heads=f["num_attention_heads"], head_dim=f.get("v_head_dim"),
+              **{k: f.get(k) for k in MLA_FIELDS}) if mla else {}
+    cfg = config_from_hf(f, aux_layer_ids=list(ids) if ids else [], target_num_layers=0,
+                         norm_before_residual=bool(f.get("norm_before_residual", False)),
+                         # what the engines read: top-level flags (SGLang also takes use_aux_norm for fc_norm)
+                         fc_norm=bool(f.get("fc_norm") or f.get("use_aux_norm")), norm_output=bool(f.get("norm_output")),
+                         attention="mla" if mla else "gqa", **kw)
     return raw, cfg
+
+
+def is_dflash(raw: dict) -> bool:
+    """A DFlash draft's config.json (ours or another trainer's)."""
+    ours = ((raw.get("eaglenest") or {}).get("draft_config") or {}).get("kind")
+    return ours == "dflash" or "DFlashDraftModel" in (raw.get("architectures") or []) or "dflash_config" in raw
 
 
 def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftConfig:
@@ -229,14 +258,17 @@ def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftCon
     return cfg
 
 
-def read_draft_tensors(draft_dir: Path | str) -> dict[str, torch.Tensor]:
-    """The draft's tensors under our names (speculators' `layers.0.` is our `midlayer.`)."""
+def read_draft_tensors(draft_dir: Path | str, kind: str = "eagle3") -> dict[str, torch.Tensor]:
+    """The draft's tensors under our names (EAGLE-3: speculators' `layers.0.` is our `midlayer.`;
+    DFlash keeps `layers.N.`)."""
     path = Path(draft_dir) / "model.safetensors"
     if not path.exists():
         raise EaglenestError(f"{path} not found: not an exported draft")
+    rename = kind == "eagle3"
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): f.get_tensor(k) for k in f.keys()}
+            return {(k.replace("layers.0.", "midlayer.", 1) if rename and k.startswith("layers.0.") else k): f.get_tensor(k)
+                    for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a torn or foreign file
         raise EaglenestError(f"{path}: cannot read the weights ({type(e).__name__}: {e})") from None
 
@@ -252,10 +284,12 @@ def load_draft(
     target_config=None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    lm_head_weight: torch.Tensor | None = None,
 ) -> Eagle3Draft:
     """Load a draft (ours or another trainer's); `embed_weight` is the target's input embedding
     matrix, which the draft uses like both engines do when sizes match (an `embed_tokens` in the
-    file is not used: check-draft says when vLLM would use it instead)."""
+    file is not used: check-draft says when vLLM would use it instead); `lm_head_weight`, the
+    target's output head, serves a DFlash draft that ships none (the engines share the target's)."""
     raw, cfg = read_draft_config(draft_dir)
     flags = [k for k in UNSUPPORTED_FLAGS if flat_config(raw).get(k)]
     if flags:
@@ -265,15 +299,20 @@ def load_draft(
         )
     if target_config is not None:
         resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)
-    tensors = read_draft_tensors(draft_dir)
+    tensors = read_draft_tensors(draft_dir, cfg.kind)
     tensors.pop("embed_tokens.weight", None)
-    model = Eagle3Draft(cfg, embed_weight=embed_weight)
+    if cfg.kind == "dflash" and "lm_head.weight" not in tensors and lm_head_weight is not None and cfg.draft_vocab_size == cfg.vocab_size:
+        tensors["lm_head.weight"] = lm_head_weight.detach()
+    from eaglenest.draft import draft_model
+
+    model = draft_model(cfg, embed_weight=embed_weight)
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity mapping
         model.set_vocab(torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool))
         tensors.update(d2t=model.d2t, t2d=model.t2d)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens", "rotary"))]
     if missing or unexpected:
-        raise EaglenestError(f"{draft_dir}: draft weights do not match its config's layout ({cfg.attention} attention, "
-                             f"fc_norm {cfg.fc_norm}: missing {missing}, unexpected {unexpected})")
+        layout = "DFlash" if cfg.kind == "dflash" else f"EAGLE-3 ({cfg.attention} attention, fc_norm {cfg.fc_norm})"
+        raise EaglenestError(f"{draft_dir}: draft weights do not match the {layout} layout "
+                             f"(missing {missing}, unexpected {unexpected})")
     return model.to(device=device, dtype=dtype).eval()

@@ -7,7 +7,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft import draft_model
+from eaglenest.draft.model import DraftConfig
 from eaglenest.export.format import save_draft
 from eaglenest.export.layer_ids import ENGINES
 from eaglenest.utils import read_json
@@ -29,7 +30,7 @@ def export_run(run: Path | str, out: Path | str, engines=ENGINES) -> Path:
 
         cfg.target_architecture = target_facts(rc["target"]).architecture
     ck = latest_checkpoint(run)
-    model = Eagle3Draft(cfg)
+    model = draft_model(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens", "rotary"))]
     if missing or unexpected:
@@ -39,7 +40,8 @@ def export_run(run: Path | str, out: Path | str, engines=ENGINES) -> Path:
         "target": rc.get("target"),
         "target_fingerprint": rc.get("store", {}).get("target_fingerprint"),
         "trained_steps": read_json(ck / "trainer_state.json")["step"],
-        "ttt_steps": rc["train"]["ttt_steps"],
+        **({"ttt_steps": rc["train"]["ttt_steps"]} if cfg.kind == "eagle3" else
+           {"dflash_anchors": rc["train"].get("dflash_anchors"), "dflash_loss": rc["train"].get("dflash_loss")}),
         "held_out": final.get("eval"),
     }
     return save_draft(model, out, extra, engines)

@@ -16,9 +16,11 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "train",
-        help="train the EAGLE-3 draft head with training-time test",
+        help="train an EAGLE-3 draft head (training-time test) or a DFlash block drafter",
         description="Train an EAGLE-3 draft (one Llama layer over the target's fused aux states) with training-time "
-        "test on a feature store, or --online: on hidden states an engine captures while training (no feature store; "
+        "test, or with --draft-kind dflash a DFlash block drafter (--draft-layers Qwen3-style layers over the states of "
+        "the store's layers, a block of --block-size tokens per forward; capture with --layers dflash), on a feature "
+        "store, or --online: on hidden states an engine captures while training (no feature store; "
         "hf = the target in this process on --device, vllm/sglang = servers). Logs per-position loss/accuracy to "
         "RUN_DIR/metrics.jsonl and PNG plots; checkpoints in RUN_DIR/checkpoints; online, skipped samples in "
         "RUN_DIR/failures.jsonl. Options can come from a YAML file (--config; flags win; engine flags only as flags). "

@@ -25,7 +25,8 @@ class TrainConfig:
     data: str | None = option(None, "with --online: DATA_DIR written by `eaglenest prepare`", metavar="DATA_DIR")
     engine: str = option("hf", "with --online: the engine that runs the target (hf: in this process, on --device; vllm, "
                          "sglang: servers, their flags below)", metavar="ENGINE")
-    layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto or i,j,k")
+    layers: str = option("auto", "with --online: aux layer ids, capture-before convention: auto (EAGLE-3's three; with "
+                         "--draft-kind dflash: dflash = five spread over the depth), dflash, or i,j,k,...")
     capture_dtype: str = option("bf16", "with --online: the target's dtype in the engine (= the features' dtype)",
                                 choices=["bf16", "fp32"])
     max_failures: int | None = option(None, "with --online: stop (checkpoint saved) once more training samples than this "
@@ -34,7 +35,10 @@ class TrainConfig:
                                    "stops (checkpoint saved) saying the engine is not answering (with --prefetch >= 1; "
                                    "set-up and evaluation captures are bounded by the engine's own timeouts); under "
                                    "torchrun every rank stops together: --dist-timeout is set above it")
-    ttt_steps: int = option(7, "unrolled draft steps (k) of training-time test")
+    draft_kind: str = option("eagle3", "the draft to train: eagle3 (one layer, chain/tree drafting step by step, training-time "
+                             "test) or dflash (a block drafter, arXiv 2602.06036: --draft-layers layers over the target states of "
+                             "the store's layers, one forward per block of --block-size tokens)", choices=["eagle3", "dflash"])
+    ttt_steps: int = option(7, "eagle3: unrolled draft steps (k) of training-time test")
     loss: str = option("ce", f"training loss: one of {', '.join(KINDS)} or a weighted mix 'ce:0.1,tv:0.9' (YAML: the same "
                        "string). ce = soft cross-entropy against the target renormalized over the draft vocabulary; tv = "
                        "1 - alpha, nla = -log alpha, lk_hybrid = lam*KL + (1-lam)*TV with lam = exp(-eta*alpha) (LK losses), "
@@ -44,6 +48,19 @@ class TrainConfig:
     step_decay: float = option(0.8, "weight of TTT step j's loss is step_decay^j")
     serve_steps: int = option(3, "draft steps the draft will be served with: the training log's predicted tau "
                               "(1 + sum_k prod_{j<=k} accept_j) is for this many (at most --ttt-steps; fewer TTT steps cap it)")
+    block_size: int = option(16, "dflash: tokens per drafted block (the anchor + block_size - 1 drafted tokens; vLLM serves it "
+                             "with num_speculative_tokens = block_size - 1)")
+    draft_layers: int = option(1, "decoder layers of the draft (dflash: any number; eagle3: one, see draft/shape.py)")
+    dflash_anchors: int = option(64, "dflash: anchor positions drawn per sample and step (each trains one block)")
+    dflash_loss: str = option("ce", "dflash: ce = hard-label cross-entropy on the block's tokens, weighted by --dflash-decay; "
+                              "dpace = D-PACE position weights (arXiv 2605.18810: the gradient of the expected accepted length)",
+                              choices=["ce", "dpace"])
+    dflash_decay: float | None = option(None, "dflash ce: block slot k weighs exp(-(k-1)/gamma); default the paper's gamma for the "
+                                        "block size (7 for 16, 5 for 10, 4 for 8); 0 = no decay")
+    dpace_alpha: float = option(0.5, "dflash dpace: smoothing of the draft's probabilities in the weights, in [0, 1]")
+    mask_token_id: int | None = option(None, "dflash: the target token whose embedding marks a masked slot (default: the "
+                                       "tokenizer's mask token, else its last special token that is not a chat-template, bos, eos "
+                                       "or pad token)")
     draft_vocab: int = option(32000, "draft vocabulary size (capped at the target's)")
     epochs: float = option(1.0, "passes over the training split")
     max_steps: int | None = option(None, "optimizer steps (overrides --epochs)")
@@ -102,7 +119,7 @@ class TrainConfig:
     extra: dict = option(default_factory=dict, help="free-form notes kept in RUN_DIR/config.json", cli=False)
 
     def validate(self) -> None:
-        for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len"):
+        for name in ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "draft_layers", "dflash_anchors"):
             if getattr(self, name) <= 0:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
         if not self.step_decay > 0:
@@ -126,6 +143,19 @@ class TrainConfig:
         if self.online and self.dist_timeout and self.dist_timeout <= self.online_timeout:
             raise EaglenestError(f"--dist-timeout {self.dist_timeout:g} must exceed --online-timeout {self.online_timeout:g}: "
                                  "a rank waits that long for a slow one before every rank stops with a checkpoint")
+        if self.draft_kind not in ("eagle3", "dflash"):
+            raise EaglenestError(f"--draft-kind must be eagle3 or dflash (got {self.draft_kind})")
+        if self.draft_kind == "eagle3" and self.draft_layers != 1:
+            raise EaglenestError(f"--draft-layers {self.draft_layers}: an EAGLE-3 draft has one layer (the engines normalize the "
+                                 "input of deeper layers differently, draft/shape.py); use --draft-kind dflash for several")
+        if self.draft_kind == "dflash" and self.block_size < 2:
+            raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {self.block_size}")
+        if self.draft_kind == "dflash" and (self.fc_norm or self.norm_output or self.draft_attention != "gqa"):
+            raise EaglenestError("--fc-norm, --norm-output and --draft-attention mla are EAGLE-3 draft options; a DFlash draft "
+                                 "has none of them (vLLM 0.32's DFlash model reads neither)")
+        if self.draft_kind == "dflash" and self.loss != "ce":
+            raise EaglenestError(f"--loss {self.loss}: the acceptance losses train the EAGLE-3 head against the target's "
+                                 "distribution; a DFlash draft trains on hard labels (--dflash-loss ce or dpace)")
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
         if self.freeze_head and self.init_head != "target":
@@ -153,4 +183,4 @@ class TrainConfig:
 # with an LK loss (pure TV from scratch trains poorly, LK paper) is a plausible recipe; a resume
 # that changes it says so (train/trainer.py) and config.json records the new one.
 RESUME_FIXED = ("ttt_steps", "draft_vocab", "batch_tokens", "grad_accum", "max_len", "seed", "eval_fraction", "freeze_head",
-                "fc_norm", "norm_output", "draft_attention")
+                "fc_norm", "norm_output", "draft_attention", "draft_kind", "dflash_anchors")

@@ -9,6 +9,7 @@ import math
 import torch
 
 from eaglenest import EaglenestError
+from eaglenest.draft import draft_model
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.features import FeatureStore
 from eaglenest.train.ttt import Teacher
@@ -50,9 +51,9 @@ def aux_rms(auxes, normed: bool = False) -> torch.Tensor | None:
 
 def build_draft(dcfg: DraftConfig, head: dict, rows: torch.Tensor, d2t, t2d, *, seed: int, init_head: str, fc_init: str,
                 fc_rms: torch.Tensor | None, freeze_head: bool) -> Eagle3Draft:
-    """The draft with the run's initialization (a pure function of its arguments)."""
+    """The draft (of `dcfg.kind`) with the run's initialization (a pure function of its arguments)."""
     torch.manual_seed(seed)
-    model = Eagle3Draft(dcfg, embed_weight=head["embed"].float())
+    model = draft_model(dcfg, embed_weight=head["embed"].float())
     init_weights(model, head, rows, init_head)
     init_fc(model, fc_init, fc_rms)
     if freeze_head:
@@ -89,7 +90,7 @@ def init_fc(model: Eagle3Draft, how: str, rms: torch.Tensor | None) -> None:
     fc.copy_(torch.randn_like(fc) * (1.0 / fc.shape[1]) ** 0.5 / rms.to(fc))
     if how == "high":  # start from the high aux layer itself: the draft's output begins as a logit lens
         H = fc.shape[0]
-        fc[:, 2 * H : 3 * H] += torch.eye(H, dtype=fc.dtype, device=fc.device)
+        fc[:, -H:] += torch.eye(H, dtype=fc.dtype, device=fc.device)
 
 
 def build_teacher(head: dict, rows, t2d, *, pre_norm: bool, norm_eps: float, bf16: bool, logit_softcap: float | None = None) -> Teacher:

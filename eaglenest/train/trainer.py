@@ -1,4 +1,4 @@
-"""The EAGLE-3 training loop, top to bottom: set-up from its pieces -> (resume) -> steps -> eval
+"""The training loop (EAGLE-3 and DFlash drafts), top to bottom: set-up from its pieces -> (resume) -> steps -> eval
 -> checkpoints.
 
 One optimizer step = `grad_accum` micro-batches (global, across ranks).  Each micro-batch's loss
@@ -11,7 +11,8 @@ The pieces, each tested on its own: distributed.py (process group, collectives),
 (vocabulary, model, teacher, optimizer, schedule), data.py + loader.py (order, prefetched
 reading), online.py (the same data captured by an engine while training, `--online`),
 checkpoint.py (run directory, checkpoints, resume rules), metrics.py (JSONL, TensorBoard),
-ttt.py (the loss).
+objective.py (what a step minimizes per draft kind: ttt.py's training-time test for EAGLE-3, the
+block objective for DFlash).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ from eaglenest.train.setup import (
     store_fingerprint,
     vocab_counts,
 )
-from eaglenest.train.losses import chunk_rows
-from eaglenest.train.ttt import ALPHA_KEYS, STAT_KEYS, TeacherRows, denominators, ttt_forward
+from eaglenest.train.objective import make_objective
+from eaglenest.train.ttt import ALPHA_KEYS, STAT_KEYS, denominators
 from eaglenest.utils import atomic_write_json, progress, read_json, release_free_heap
 
 __all__ = ["ARGMAX_CACHE_TOKENS", "TrainConfig", "Trainer", "estimate_activation_bytes", "lr_lambda", "summarize"]
@@ -119,6 +120,9 @@ class Trainer:
         if cfg.online:
             from eaglenest.data import PreparedData
 
+            if cfg.draft_kind == "dflash" and cfg.layers == "auto":
+                cfg.layers = "dflash"  # the engine captures DFlash's default layers (capture/layers.py)
+
             data = PreparedData(cfg.data)
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # before an engine starts (a server takes minutes)
             store = self._open_online(data, engine_args)
@@ -133,8 +137,10 @@ class Trainer:
         if len(store) == 0:
             raise EaglenestError(f"{cfg.data if cfg.online else f'feature store {cfg.features}'} holds no samples")
         # the EAGLE-3 head's fc reads three aux states; a store of another count is for another draft kind
-        require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
-                            "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
+        # (a DFlash draft reads any number of target layers)
+        if cfg.draft_kind == "eagle3":
+            require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
+                                "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
         head = target_head(cfg.model)
         if not cfg.online:
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # after the checks above, before RUN_DIR is touched
@@ -145,6 +151,10 @@ class Trainer:
         rows = draft_ids_to_target(d2t)
         dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape, attention=cfg.draft_attention,
                                        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+        if cfg.draft_kind == "dflash":
+            from eaglenest.draft.dflash import dflash_config
+
+            dcfg = dflash_config(dcfg, cfg)
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
@@ -160,13 +170,13 @@ class Trainer:
             self.dist.barrier()  # the log is trimmed before any rank appends to it
         fc_rms = None
         if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
-            fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(3 * meta.hidden_size)
+            fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(len(meta.layer_ids) * meta.hidden_size)
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
         self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
                                  fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
-        self.teacher = build_teacher(head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"],
-                                     logit_softcap=head["logit_softcap"],
-                                     bf16=self.autocast).to(self.device)
+        self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
+            head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
+            bf16=self.autocast).to(self.device)
         self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
@@ -194,11 +204,16 @@ class Trainer:
         self.step = 0
         # online: failed training samples so far (--max-failures counts those of a resumed run's earlier steps too)
         self.n_failed = sum(self.failures.summary(self.ckpt.latest_step()).get("train", {}).values()) if cfg.online and resuming else 0
-        # micro-batch -> the target's argmax (int32) and, when computed, log-mass (fp32) per position
-        # (host RAM), reused by later epochs (and evaluations); only when a run sees its data more
-        # than once, and at most ARGMAX_CACHE_TOKENS tokens
-        self._argmax: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._argmax_room = ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0
+        # EAGLE-3 caches the target's argmax (and log-mass) per micro-batch (host RAM) for later epochs:
+        # only when a run sees its data more than once, and at most ARGMAX_CACHE_TOKENS tokens
+        self.objective = make_objective(cfg, dcfg, teacher=self.teacher, device=self.device, autocast=self.autocast,
+                                        attn=self.attn, recompute=self._recompute,
+                                        argmax_room=ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0)
+        if dcfg.kind == "dflash":
+            self.objective.bind(self.model.t2d)
+        self.P = self.objective.positions  # per-position statistics (TTT steps or block slots)
+        # the serve steps the log predicts tau for (a DFlash block drafts P tokens per round)
+        self.serve_steps = self.P if dcfg.kind == "dflash" else cfg.predicted_steps()
 
         if resuming:
             self.step = self.saved_step = self.ckpt.load(self.model, self.opt, self.sched)
@@ -317,45 +332,10 @@ class Trainer:
         return d
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _teacher(self, last: torch.Tensor, key: tuple | None, mass: bool) -> TeacherRows:
-        """The teacher's rows for one micro-batch.  Micro-batches keep their samples every epoch: the
-        target's argmax (and log-mass, when a loss or the evaluation needs alpha) are computed once
-        per batch and cached, so later epochs skip the full-vocabulary head."""
-        known = self._argmax.get(key)
-        arg, lm = (None, None) if known is None else known
-        t = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if arg is None else arg.long(), mass=mass,
-                                 log_mass=lm)
-        new = known is None or (mass and lm is None)
-        if new and key is not None and (known is not None or t.argmax.numel() <= self._argmax_room):
-            if known is None:
-                self._argmax_room -= t.argmax.numel()
-            self._argmax[key] = (t.argmax.to("cpu", torch.int32), None if t.log_mass is None else t.log_mass.cpu())
-        return t
-
-    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, want_alpha: bool = False):
-        dev = self.device
-        nb = self.device_type == "cuda"  # pinned by the loader: the copies overlap
-        teacher = self._teacher(b.last.to(dev, non_blocking=nb), key, mass=want_alpha or self.loss.needs_alpha)
-        B, T = b.input_ids.shape
-        cuda = self.device_type == "cuda"
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, stats = ttt_forward(
-                self.model,
-                b.input_ids.to(dev, non_blocking=nb),
-                b.aux.to(dev, non_blocking=nb).to(torch.bfloat16 if self.autocast else torch.float32),
-                teacher,
-                b.loss_mask.to(dev, non_blocking=nb),
-                self.cfg.ttt_steps,
-                denom.to(dev),
-                step_decay=self.cfg.step_decay,
-                chunk=chunk_rows(self.cfg.logits_chunk or (4096 if cuda else 1024), self.model.cfg.draft_vocab_size),
-                checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
-                attn_impl=self.attn,
-                recompute=self._recompute(B * T),
-                loss=self.loss,
-                want_alpha=want_alpha,
-            )
-        return loss, stats, b.n_tokens
+    def _forward(self, b: Batch, key: tuple, denom: torch.Tensor, step: int | None, want_alpha: bool = False):
+        """(loss, per-position stats, tokens) of one micro-batch: the draft kind's objective (objective.py);
+        `step` seeds what it samples (None: the held-out evaluation's fixed draw)."""
+        return self.objective.forward(self.model, b, key, denom, step, want_alpha=want_alpha)
 
     def _recompute(self, tokens: int) -> bool:
         if self.cfg.recompute != "auto":
@@ -370,18 +350,19 @@ class Trainer:
         if not self.eval_batches:
             return None
         self.model.eval()
-        per = [dict.fromkeys(STAT_KEYS + ALPHA_KEYS, 0.0) for _ in range(self.cfg.ttt_steps)]
+        per = [dict.fromkeys(STAT_KEYS + (ALPHA_KEYS if self.teacher is not None else ()), 0.0) for _ in range(self.P)]
         for idx in self.eval_batches:
             b = self.source.load_batch(idx, self.step) if self.cfg.online else self.source.load_batch(idx)
             if b is None:  # online: none of its samples arrived (recorded)
                 continue
             key = tuple(idx) if b.input_ids.shape[0] == len(idx) else None  # online: not all arrived, no argmax cache
-            _, stats, _ = self._forward(b, key, denominators(b.loss_mask, self.cfg.ttt_steps), want_alpha=True)
-            for j in range(self.cfg.ttt_steps):
+            # held-out: step None = the objective's fixed evaluation draw (the same anchors at every eval)
+            _, stats, _ = self._forward(b, key, self.objective.denominators(b, None), None, want_alpha=True)
+            for j in range(self.P):
                 for k in per[j]:
                     per[j][k] += stats[k][j]
         self.model.train()
-        return summarize(per, self.cfg.predicted_steps())
+        return summarize(per, self.serve_steps)
 
     # --- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -415,8 +396,8 @@ class Trainer:
                                "empty_micro_batches": self.step_empty}
                         if n_tok == 0:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
-                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(cfg.ttt_steps)],
-                                                         cfg.predicted_steps()), "train_"))
+                        rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(self.P)],
+                                                         self.serve_steps), "train_"))
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
                             last_eval = self.evaluate()
@@ -545,20 +526,27 @@ class Trainer:
               + (f"; engine requests of rank 0: {describe(requests)}" if requests else ""), file=sys.stderr)
         return {"failures": failures, "requests": {k: v for k, v in requests.items() if k != "records"} if requests else None}
 
+    def _step_denominators(self, data: StepData) -> torch.Tensor:
+        """This rank's loss normalizers of the step: the loader's TTT ones for EAGLE-3, else the objective's."""
+        if self.model.cfg.kind == "eagle3":
+            return data.denom
+        return sum((self.objective.denominators(b, self.step) for b in data.batches), torch.zeros(2, dtype=torch.float64))
+
     def optimizer_step(self, data: StepData) -> tuple[float, int, dict, float]:
         """One optimizer step over this rank's micro-batches of a step (`self.source.load(step)`):
         (loss, tokens, per-TTT-step stat sums, gradient norm before clipping), summed over ranks."""
         cfg, params = self.cfg, self.params
-        denom = self.dist.sum(data.denom) if self.world > 1 else data.denom  # every rank's tokens count
+        denom = self._step_denominators(data)
+        denom = self.dist.sum(denom) if self.world > 1 else denom  # every rank's tokens count
         self.opt.zero_grad(set_to_none=True)
-        agg = {k: [0.0] * cfg.ttt_steps for k in STAT_KEYS + (ALPHA_KEYS if self.loss.needs_alpha else ())}
+        agg = {k: [0.0] * self.P for k in STAT_KEYS + (ALPHA_KEYS if self.objective.needs_alpha else ())}
         n_tok, loss_val, n_empty = 0, 0.0, 0
         for b, key in zip(data.batches, data.keys):
             n_tok += b.n_tokens
             if not has_loss_positions(b):  # no graph to backward: this rank still joins the step's collectives
                 n_empty += 1
                 continue
-            loss, stats, _ = self._forward(b, key, denom)
+            loss, stats, _ = self._forward(b, key, denom, self.step)
             loss.backward()
             loss_val += float(loss.detach())
             for k in agg:
@@ -587,5 +575,5 @@ class Trainer:
                              device=self.dist.device)
         self.dist.all_reduce_sum_([stats])
         s = stats.tolist()
-        T = self.cfg.ttt_steps
+        T = self.P
         return s[0], int(s[1]), {k: s[3 + i * T : 3 + (i + 1) * T] for i, k in enumerate(keys)}, int(s[2])

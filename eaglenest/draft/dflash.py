@@ -1,0 +1,190 @@
+"""The DFlash draft (arXiv 2602.06036): a block-diffusion drafter, a sibling of the EAGLE-3 head.
+
+One forward drafts a whole block.  The target's states at several layers (`cfg.aux_layer_ids`,
+capture-before, any count) are fused and injected as extra keys/values into every draft layer:
+
+    ctx      = hidden_norm(fc([a_1 ; ... ; a_n]))                       [.., T, H]  (one per target position)
+    layer i:   context keys/values  K_i = k_norm(k_proj_i(ctx)) (roped at the context positions), V_i = v_proj_i(ctx)
+    block    = [anchor token, MASK x (block_size - 1)] at positions p .. p + block_size - 1
+    h        = embed(block);  per layer:  x = input_layernorm(h);
+               h += o_proj(attention(q_norm(q_proj(x)), keys = [K_i of context < p ; k_norm(k_proj(x))],
+                                     values = [V_i ; v_proj(x)]))    (non-causal inside the block)
+               h += mlp(post_attention_layernorm(h))
+    logits   = lm_head(norm(h))   at block slot k >= 1 predict the token at position p + k
+
+The anchor is the newest committed token (the one the target has not processed yet); the context
+is every earlier position.  Qwen3-style layers (per-head q/k RMSNorm, no bias) with the target's
+rope; embeddings frozen and shared with the target (the MASK slot is the target's embedding of
+`cfg.mask_token_id`); lm_head over a reduced draft vocabulary (d2t/t2d as in EAGLE-3, which vLLM
+0.32's DFlash loader maps too).  Parameter names are exactly those of the checkpoint vLLM 0.32
+loads (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`); see export/dflash.py.
+
+The pieces shared with the EAGLE-3 head come from draft/model.py (RMSNorm, Rotary, apply_rope,
+MLP) and draft/kernels.py (`block_attention`, used by training and decoding alike).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from eaglenest import EaglenestError
+from eaglenest.draft.kernels import block_attention
+from eaglenest.draft.model import MLP, DraftConfig, DraftVocab, Rotary, RMSNorm, apply_rope
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.n_head * self.hd, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.hd, H, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    def kv(self, x, cos, sin):
+        """x [B, T, H] -> roped, k-normed keys and values [B, kv, T, hd] (context or block)."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_kv, ctx_visible):
+        """x [B, N, S, H] (N blocks of S slots), cos/sin [B, N*S, hd], ctx_kv (K, V) [B, kv, T, hd],
+        ctx_visible [B, N]: the context keys each block sees (a prefix)."""
+        B, N, S, _ = x.shape
+        flat = x.reshape(B, N * S, -1)
+        q = self.q_norm(self.q_proj(flat).view(B, N * S, self.n_head, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)  # [B, heads, N*S, hd]
+        k, v = self.kv(flat, cos, sin)
+        g = self.n_head // self.n_kv
+        qg = q.reshape(B, self.n_kv, g, N, S, self.hd)  # grouped-query heads, no K/V copies
+        o = block_attention(qg, *ctx_kv, k.view(B, self.n_kv, N, S, self.hd), v.view(B, self.n_kv, N, S, self.hd),
+                            ctx_visible, self.scale)
+        o = o.reshape(B, self.n_head, N * S, self.hd).transpose(1, 2).reshape(B, N, S, self.n_head * self.hd)
+        return self.o_proj(o)
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3-style decoder layer (`layers.N` in the checkpoint)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, ctx_kv, ctx_visible):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_kv, ctx_visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def check_dflash_config(cfg: DraftConfig) -> None:
+    """A DFlash config that cannot be trained, served or exported is refused here, by field."""
+    if cfg.kind != "dflash":
+        raise EaglenestError(f"internal: a {cfg.kind} config given to the DFlash draft")
+    if cfg.block_size < 2:
+        raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {cfg.block_size}")
+    if cfg.num_hidden_layers < 1:
+        raise EaglenestError(f"--draft-layers must be at least 1, got {cfg.num_hidden_layers}")
+    if not cfg.aux_layer_ids:
+        raise EaglenestError("a DFlash draft needs at least one target layer")
+    if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise EaglenestError(f"DFlash mask_token_id {cfg.mask_token_id} is not a token id of the target (0..{cfg.vocab_size - 1})")
+
+
+def default_mask_token_id(model) -> int:
+    """The MASK slot's token when none is given: the tokenizer's own mask token, else its last
+    special token that no chat turn contains and that is not bos/eos/pad/unk (SmolLM2: 16,
+    <empty_output>).  Its embedding is the target's, frozen: what matters is that a real anchor
+    never looks like a mask slot, so a token that never occurs in text is the right one."""
+    from eaglenest.models.target import load_tokenizer
+
+    tok = load_tokenizer(model)
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id)
+    used = {getattr(tok, f"{n}_token_id") for n in ("bos", "eos", "pad", "unk")}
+    try:
+        text = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                        {"role": "assistant", "content": "a"}], tokenize=False)
+        used |= set(tok(text, add_special_tokens=True)["input_ids"])
+    except Exception:  # noqa: BLE001 -- a tokenizer without a chat template: bos/eos/pad/unk only
+        pass
+    special = sorted(i for i, t in tok.added_tokens_decoder.items() if t.special and i not in used and i < len(tok))
+    if not special:
+        raise EaglenestError(f"{model}: the tokenizer has no mask token and no unused special token: pass --mask-token-id "
+                             "(a token id that never occurs in the data)")
+    return special[-1]
+
+
+def dflash_config(base: DraftConfig, opts) -> DraftConfig:
+    """The DFlash config of a run: `base` (the target's shape and vocabulary, DraftConfig.from_target)
+    with the kind and the block options of `opts` (TrainConfig: block_size, draft_layers,
+    mask_token_id, model)."""
+    from dataclasses import replace
+
+    mask = opts.mask_token_id if opts.mask_token_id is not None else default_mask_token_id(opts.model)
+    cfg = replace(base, kind="dflash", block_size=int(opts.block_size), num_hidden_layers=int(opts.draft_layers),
+                  mask_token_id=int(mask))
+    check_dflash_config(cfg)
+    return cfg
+
+
+class DFlashDraft(DraftVocab, nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        check_dflash_config(cfg)
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.register_vocab(cfg, embed_weight)  # the target's embeddings (frozen), d2t/t2d
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    # --- pieces (embed, logits, to_target_ids, set_vocab, exported_state_dict: DraftVocab) --
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[.., n*H_target] target states -> the context states hidden_norm(fc(.)) [.., H]."""
+        return self.hidden_norm(self.fc(aux_hidden_states.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context states [B, T, H] at `position_ids` [B, T] -> every layer's (K, V) [B, kv, T, hd].
+        The same context enters every layer (no input_layernorm: vLLM's precompute_and_store_context_kv)."""
+        cos, sin = self.rotary(position_ids)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_ids, position_ids, ctx_kv, ctx_visible) -> torch.Tensor:
+        """block_ids / position_ids [B, N, S] (slot 0 the anchor, then masks), ctx_kv from `context_kv`,
+        ctx_visible [B, N] -> pre-norm hidden states [B, N, S, H]."""
+        B, N, S = block_ids.shape
+        cos, sin = self.rotary(position_ids.reshape(B, N * S))
+        h = self.embed(block_ids).to(self.fc.weight.dtype)
+        for layer, kv in zip(self.layers, ctx_kv):
+            h = layer(h, cos, sin, kv, ctx_visible)
+        return h
+
+    def block_input(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Anchor tokens [..] -> block ids [.., block_size]: the anchor, then mask tokens."""
+        ids = torch.full((*anchors.shape, self.cfg.block_size), int(self.cfg.mask_token_id), dtype=torch.long, device=anchors.device)
+        ids[..., 0] = anchors
+        return ids
+
+    # --- one block over a whole context (the plain reference; training has objective.py) ---
+    def forward(self, aux_hidden_states, anchor_ids, anchor_positions):
+        """aux [B, T, n*H]; anchors [B, N] with positions [B, N] (block n sees the context before its
+        anchor) -> logits [B, N, block_size, draft_vocab]."""
+        B, T, _ = aux_hidden_states.shape
+        pos = torch.arange(T, device=aux_hidden_states.device).expand(B, T)
+        kv = self.context_kv(self.fuse(aux_hidden_states), pos)
+        S = self.cfg.block_size
+        bpos = anchor_positions[..., None] + torch.arange(S, device=anchor_positions.device)
+        return self.logits(self.blocks(self.block_input(anchor_ids), bpos, kv, anchor_positions))
