@@ -118,6 +118,12 @@ def train_arm(name: str, extra: list[str], preset: str = "full", features: str |
     return run
 
 
+def eval_report(name: str, temperature: float, preset: str = "full", limit: int = 80, max_new_tokens: int = 128,
+                steps: int = 3, seed: int = 0) -> Path:
+    """Where eval_arm keeps (and finds) the decode report of these settings."""
+    return arm_dir(name, preset) / f"eval-t{temperature:g}-n{limit}-m{max_new_tokens}-s{steps}-seed{seed}.json"
+
+
 def eval_arm(name: str, temperature: float, preset: str = "full", limit: int = 80, max_new_tokens: int = 128,
              steps: int = 3, seed: int = 0, extra: list[str] | None = None) -> dict:
     """Export arm NAME and decode the first `limit` MT-bench first turns (steps, topk 1, the demo's
@@ -128,7 +134,7 @@ def eval_arm(name: str, temperature: float, preset: str = "full", limit: int = 8
     draft = d / "draft"
     if not (draft / "config.json").exists():
         _cli(["export", "--run", str(d / "run"), "--out", str(draft), "--model", model_path()])
-    rep = d / f"eval-t{temperature:g}-n{limit}-m{max_new_tokens}-s{steps}-seed{seed}.json"
+    rep = eval_report(name, temperature, preset, limit, max_new_tokens, steps, seed)
     if not rep.exists():
         _cli(["eval", "--model", model_path(), "--draft", str(draft), "--out", str(rep), "--bench", "mtbench",
               "--limit", str(limit), "--steps", str(steps), "--topk", "1", "--temperature", f"{temperature:g}",

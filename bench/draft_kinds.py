@@ -161,9 +161,12 @@ def paired_delta_tau(a: dict, b: dict, n: int = 2000, seed: int = 0) -> dict:
 
 
 def report() -> None:
-    smol = {}
+    smol, not_run = {}, []
     for name, flags in ARMS.items():
         d = arms.arm_dir(name)
+        if not (d / "run" / "final.json").exists() or not all(arms.eval_report(name, t).exists() for t in TEMPERATURES):
+            not_run.append(name)  # said in the report, never filled in
+            continue
         s = arms.arm_summary(name)
         evals = {}
         for t in TEMPERATURES:
@@ -180,7 +183,8 @@ def report() -> None:
                 "store, seed and steps; tau on all 80 MT-bench first turns (our decoder, 3 steps, topk 1, 128 new tokens) at "
                 "temperature 0 and 1. GQA vs MLA drafts on the tiny DeepSeek-V3 target (same data, recipe, seed). Kimi-K2.5 "
                 "shape sizes computed on the meta device.",
-        "smollm2": {"recipe": arms.train_flags(), "store": str(arms.work_root() / "features"), "prompts": 80, "arms": smol},
+        "smollm2": {"recipe": arms.train_flags(), "store": str(arms.work_root() / "features"), "prompts": 80, "arms": smol,
+                    "arms_not_run": not_run},
         "tiny_deepseek_v3": mla_summary(),
         "kimi_k25_shape": kimi_sizes(),
     })

@@ -35,9 +35,11 @@ def render(results: dict[str, dict]) -> str:
         "(acceptance per draft position in brackets; the difference to EAGLE-3 with a 95 % interval from resampling the "
         "prompts, paired):",
         ["arm", "train flags", "held-out accuracy per TTT position", "tau, temperature 0", "vs EAGLE-3", "tau, temperature 1",
-         "vs EAGLE-3", "train wall"],
+         "vs EAGLE-3"],
         [[name, " ".join(a["flags"]) or "(EAGLE-3)", _acc(a["held_out"]), _tau(a["eval"]["t0"]), _delta(a, "t0"), _tau(a["eval"]["t1"]),
-          _delta(a, "t1"), f"{a['timing']['wall_s'] / 60:.1f} min"] for name, a in s["arms"].items()])
+          _delta(a, "t1")] for name, a in s["arms"].items()])  # wall times: taken on a shared machine, not compared
+    if s["arms_not_run"]:
+        lines += ["", f"Not run (no time on this machine): {', '.join(s['arms_not_run'])}."]
     lines += _table(
         f"The tiny DeepSeek-V3 target ({t['target']}), its own features of the first {t['samples_captured']} demo "
         "conversations, the same recipe in fp32 and the whole vocabulary for both kinds:",
