@@ -327,7 +327,7 @@ def report(args) -> None:
         rec = {}
         if (q / v).exists():
             fs = FeatureStore(q / v)
-            rec.update(store=fs.meta.scheme, bytes_per_token=bytes_per_token(fs.meta.hidden_size, fs.meta.dtype, fs.meta.fp8_block),
+            rec.update(store=fs.meta.scheme, bytes_per_token=bytes_per_token(fs.meta.hidden_size, fs.meta.dtype, fp8_block=fs.meta.fp8_block),
                        bytes_on_disk_per_token=round(fs.bytes_on_disk() / fs.n_tokens, 1), samples=len(fs), tokens=fs.n_tokens)
         if (run / "final.json").exists():
             ev = json.loads((run / "final.json").read_text())["eval"]
@@ -365,8 +365,8 @@ def report(args) -> None:
                          "eval": "MT-bench first turns, greedy, chain of eval_steps, batch 1, hf engine, no plain-decoding baseline"}
     if (q / "stages.jsonl").exists():
         out["stages"] = [json.loads(x) for x in (q / "stages.jsonl").read_text().splitlines()]
-    out["bytes_per_token_kimi_k25_shape"] = {"bf16": bytes_per_token(7168, "bf16"), "fp8-token-layer": bytes_per_token(7168, "fp8", 7168),
-                                             "fp8-block128": bytes_per_token(7168, "fp8", 128)}
+    out["bytes_per_token_kimi_k25_shape"] = {"bf16": bytes_per_token(7168, "bf16"), "fp8-token-layer": bytes_per_token(7168, "fp8", fp8_block=7168),
+                                             "fp8-block128": bytes_per_token(7168, "fp8", fp8_block=128)}
     out["goal"] = "|tau(fp8 scheme) - tau(bf16)| <= 1 % of tau(bf16) on Qwen2.5-Coder-0.5B-Instruct, the same recipe and batches"
     out["note"] = args.note
     common.write_result("store_outliers", out)

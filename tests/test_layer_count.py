@@ -50,9 +50,9 @@ def test_five_layer_store_verify_stats_convert_merge(smol_store_5, tmp_path, cap
     st = json.loads(capsys.readouterr().out)
     assert st["layer_ids"] == FIVE_LAYERS and st["samples"] == 24
     # what is on disk is what the plan sizes: five fp32 layers + the final state per token (+ headers)
-    per = bytes_per_token(H, "fp32", 5)
+    per = bytes_per_token(H, "fp32", aux_layers=5)
     assert per == 5 * H * 4 + H * 4 + 5 and per * st["tokens"] <= st["bytes"] <= per * st["tokens"] * 1.01
-    # convert: fp8 keeps one exponent per token and per layer (five), bf16 is exactly the cast
+    # convert: fp8 keeps one exponent per fp8 block of every layer (5 x H / block), bf16 is exactly the cast
     assert main(["features", "convert", str(smol_store_5), "--store-dtype", "fp8", "--out", str(tmp_path / "f8")]) == 0
     assert main(["features", "convert", str(smol_store_5), "--store-dtype", "bf16", "--out", str(tmp_path / "b16")]) == 0
     f8, b16 = FeatureStore(tmp_path / "f8"), FeatureStore(tmp_path / "b16")
@@ -61,7 +61,7 @@ def test_five_layer_store_verify_stats_convert_merge(smol_store_5, tmp_path, cap
         a = src[i]["aux_hidden_states"]
         assert torch.equal(b16[i]["aux_hidden_states"], a.to(torch.bfloat16))
         raw = f8.load_stored(i)
-        assert raw["aux_hidden_states"].shape == a.shape and raw["aux_hidden_states_exp"].shape == (a.shape[0], 5)
+        assert raw["aux_hidden_states"].shape == a.shape and raw["aux_hidden_states_exp"].shape == (a.shape[0], 5 * H // f8.meta.fp8_block)
         d = f8[i]["aux_hidden_states"].float()
         for j in range(5):  # each layer's chunk decodes to its own layer (a per-layer scale mixed up would not)
             cos = torch.nn.functional.cosine_similarity(d[:, j * H:(j + 1) * H], a[:, j * H:(j + 1) * H], dim=-1)

@@ -97,7 +97,7 @@ def test_online_equals_offline_on_smollm2_fp32(smollm2, smol_data, tmp_path):
     assert mem["target_params"] > 1e8 and mem["target_bytes"] >= 4 * mem["target_params"]  # the fp32 target, in this process
     written = {p.relative_to(online).parts[0] for p in online.rglob("*") if p.is_file()}
     assert written <= {"checkpoints", "metrics.jsonl", "config.json", "final.json", "failures.jsonl", "vocab.safetensors",
-                       "loss.png", "acc.png"}, written
+                       "loss.png", "acc.png", "alpha.png", "tau.png"}, written
     assert json.loads((online / "final.json").read_text())["online"]["failures"] == {"total": 0}
 
 

@@ -64,9 +64,9 @@ def _run(cfg, args) -> int:
         todo = sum(t for sid, t in lengths.items() if sid not in done)
         n_done = n - n_samples
     if cfg.dry_run:
-        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype, layer_ids, block)
+        fits = print_plan(out, str(path), hidden, n_layers, n_samples, todo, n_done, store_dtype, cfg.dtype, layer_ids, fp8_block=block)
         return 0 if fits or cfg.ignore_disk else 1
-    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk, block, len(layer_ids))
+    check_room(out, todo, hidden, store_dtype, cfg.ignore_disk, fp8_block=block, aux_layers=len(layer_ids))
     engine = get_engine_module(cfg.engine).create(args)  # engines read their flags from args
     with engine:
         s = run_capture(

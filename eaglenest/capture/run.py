@@ -48,10 +48,10 @@ def resolve_store_dtype(store_dtype: str, model_dtype: str, hidden_size: int) ->
     return model_dtype, f"auto: hidden size {hidden_size} < {COMPACT_FROM_HIDDEN}"
 
 
-def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool,
+def check_room(out: Path, n_tokens: int, hidden_size: int, store_dtype: str, ignore_disk: bool, *,
                fp8_block: int | None = None, aux_layers: int = 3) -> None:
     """Refuse to start a capture the disk at `out` cannot hold (`aux_layers`: how many layers it captures)."""
-    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block, aux_layers), free_bytes(out)
+    need, free = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block=fp8_block, aux_layers=aux_layers), free_bytes(out)
     if need > free and not ignore_disk:
         raise EaglenestError(
             f"not enough disk at {out}: {n_tokens:,} tokens in {store_dtype} need ~{human_bytes(need)}, "
@@ -72,10 +72,10 @@ def print_plan(out: Path, target: str, hidden_size: int, num_layers: int, n_samp
         f"  {'store dtype':<16}{'bytes/token':>12}{'total':>12}{'vs bf16':>9}",
     ]
     for d in dict.fromkeys(["bf16", model_dtype, "fp8", "fp8-aux", store_dtype]):
-        per = bytes_per_token(hidden_size, d, fp8_block, n)
+        per = bytes_per_token(hidden_size, d, fp8_block=fp8_block, aux_layers=n)
         mark = " <- this run" if d == store_dtype else ""
         lines.append(f"  {d:<16}{per:>12,}{human_bytes(per * n_tokens):>12}{per / bytes_per_token(hidden_size, 'bf16', aux_layers=n):>8.2f}x{mark}")
-    need = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block, n)
+    need = estimate_bytes(n_tokens, hidden_size, store_dtype, fp8_block=fp8_block, aux_layers=n)
     fits = need <= free
     lines.append(f"free at {out}: {human_bytes(free)}; {store_dtype} needs ~{human_bytes(need)} on disk: "
                  + ("fits" if fits else "does NOT fit, capture would refuse to start (override: --ignore-disk)"))
@@ -175,7 +175,7 @@ def run_capture(
     done = writer.done if writer else _done_ids(out)
     todo_tokens = sum(len(s.input_ids) for s in samples if s.id not in done)
     n_todo = sum(1 for s in samples if s.id not in done)
-    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype, meta.fp8_block, meta.aux_layers)
+    need = estimate_bytes(todo_tokens, meta.hidden_size, dtype, fp8_block=meta.fp8_block, aux_layers=meta.aux_layers)
     free = free_bytes(out)
     print(
         f"capture: {n_todo} samples / {todo_tokens:,} tokens to process ({len(samples) - n_todo} already stored); "
@@ -184,7 +184,7 @@ def run_capture(
     )
     if dry_run:
         return CaptureSummary(0, len(samples) - n_todo, 0, todo_tokens, 0.0, 0, {"estimate_bytes": need, "free_bytes": free})
-    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk, meta.fp8_block, meta.aux_layers)
+    check_room(out, todo_tokens, meta.hidden_size, dtype, ignore_disk, fp8_block=meta.fp8_block, aux_layers=meta.aux_layers)
 
     failures = Failures()
     lengths = [len(s.input_ids) for s in samples]

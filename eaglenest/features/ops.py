@@ -93,7 +93,7 @@ def _shard_groups(fs: FeatureStore) -> list[list[int]]:
 
 
 def _check_room(dst: Path, n_tokens: int, meta: StoreMeta, ignore_disk: bool) -> None:
-    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype, meta.fp8_block, meta.aux_layers), free_bytes(dst)
+    need, free = estimate_bytes(n_tokens, meta.hidden_size, meta.dtype, fp8_block=meta.fp8_block, aux_layers=meta.aux_layers), free_bytes(dst)
     if need > free and not ignore_disk:
         raise EaglenestError(f"not enough disk at {dst}: need ~{human_bytes(need)}, {human_bytes(free)} free (override: --ignore-disk)")
 

@@ -459,7 +459,7 @@ class FeatureStore:
         return sum(f.stat().st_size for f in (self.root / "shards").glob("*.safetensors"))
 
 
-def bytes_per_token(hidden_size: int, dtype: str, fp8_block: int | None = None, aux_layers: int = 3) -> int:
+def bytes_per_token(hidden_size: int, dtype: str, *, fp8_block: int | None = None, aux_layers: int = 3) -> int:
     """Stored bytes per token: n*H aux (n = aux_layers; EAGLE-3's 3 by default) + H final (+ one
     int8 exponent per fp8_block values in fp8; None = the default block, fp8_block_for(hidden_size)),
     ids (int32), mask (uint8)."""
@@ -470,9 +470,9 @@ def bytes_per_token(hidden_size: int, dtype: str, fp8_block: int | None = None, 
     return n
 
 
-def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, fp8_block: int | None = None, aux_layers: int = 3) -> int:
+def estimate_bytes(n_tokens: int, hidden_size: int, dtype: str, *, fp8_block: int | None = None, aux_layers: int = 3) -> int:
     """Disk needed for n_tokens (1 % for safetensors headers and the manifest)."""
-    return int(n_tokens * bytes_per_token(hidden_size, dtype, fp8_block, aux_layers) * 1.01) + 4096
+    return int(n_tokens * bytes_per_token(hidden_size, dtype, fp8_block=fp8_block, aux_layers=aux_layers) * 1.01) + 4096
 
 
 def free_bytes(path: Path) -> int:
