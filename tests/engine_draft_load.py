@@ -49,7 +49,7 @@ def load_through_the_class(m, draft: str) -> dict:
 def sglang(repo: str, out: str, jobs: list[tuple[str, str | None]]) -> None:
     sys.path[:0] = [repo, os.path.join(repo, "eaglenest", "engines", "sglang_compat")]
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    from eaglenest.engines.sglang_launch import declare_torchvision_schemas, force_torch_native
+    from eaglenest.engines.sglang.launcher import declare_torchvision_schemas, force_torch_native
 
     force_torch_native()
     declare_torchvision_schemas()

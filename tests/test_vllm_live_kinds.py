@@ -56,11 +56,11 @@ def train_draft(model, data: Path, work: Path, flags: dict) -> Path:
     return draft
 
 
-def served_like_ours(model, draft, bench, tmp_path) -> tuple[dict, dict]:
+def served_like_ours(model, draft, bench, tmp_path, **engine_args) -> tuple[dict, dict]:
     """vLLM (spec server, then a plain one for the greedy check) and our decoder on the same prompts, fp32."""
     from eaglenest.evaluate.run import evaluate
 
-    rv = evaluate(_args(model, draft, bench, tmp_path / "vllm.json", "vllm", engine_args={"log_dir": str(tmp_path / "logs")}))
+    rv = evaluate(_args(model, draft, bench, tmp_path / "vllm.json", "vllm", engine_args={"log_dir": str(tmp_path / "logs"), **engine_args}))
     rh = evaluate(_args(model, draft, bench, tmp_path / "hf.json", "hf", no_baseline=True))
     print("vllm:", json.dumps({k: rv[k] for k in ("tau", "accept_per_position", "greedy_matches_baseline")}),
           "ours:", json.dumps({k: rh[k] for k in ("tau", "accept_per_position")}))
@@ -103,5 +103,10 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, smol_data, benc
     draft = train_draft(target, smol_data, tmp_path, {"steps": 150, "draft_attention": "mla", "draft_vocab": 49152})
     raw = json.loads((draft / "config.json").read_text())
     assert raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and raw["kv_lora_rank"] + raw["qk_rope_head_dim"] == 576
-    rv, rh = served_like_ours(target, draft, bench, tmp_path)
+    # vLLM picks its AMX_MLA backend wherever the CPU has AMX, and that backend packs bf16/fp16/int8
+    # weights only ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8", amx_mla.py
+    # process_weights_after_loading): fp32 -- where both engines write the same text -- needs vLLM's
+    # reference CPU_MLA backend, which it uses on CPUs without AMX anyway (platforms/cpu.py)
+    rv, rh = served_like_ours(target, draft, bench, tmp_path, server_arg="--attention-backend=CPU_MLA")
+    assert "Using CPU_MLA backend" in (tmp_path / "logs" / "spec" / "server.log").read_text()
     assert_agreement(rv, rh)
