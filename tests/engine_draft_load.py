@@ -47,12 +47,10 @@ def load_through_the_class(m, draft: str) -> dict:
 
 
 def sglang(repo: str, out: str, jobs: list[tuple[str, str | None]]) -> None:
-    sys.path[:0] = [repo, os.path.join(repo, "eaglenest", "engines", "sglang_compat")]
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    from eaglenest.engines.sglang.launcher import declare_torchvision_schemas, force_torch_native
+    sys.path[:0] = [repo, os.path.join(repo, "eaglenest", "engines", "sglang", "compat")]  # an importable sgl_kernel
+    from eaglenest.engines.sglang.launcher import prepare_process
 
-    force_torch_native()
-    declare_torchvision_schemas()
+    prepare_process()  # what every SGLang process of eaglenest does before `import sglang`
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
