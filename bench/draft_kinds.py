@@ -112,9 +112,12 @@ def mla_summary() -> dict:
     root = mla_root()
     out = {"target": "tiny DeepSeek-V3 (tests/family_helpers.py: 8 layers, hidden 64, 4 heads, q_lora 32, kv_lora 512, "
                      "rope 64, nope 32, v 32, MoE 8 experts top-2, YaRN; random weights)",
-           "samples_captured": MLA_SAMPLES, "recipe": mla_recipe(), "kinds": {}}
+           "samples_captured": MLA_SAMPLES, "recipe": mla_recipe(), "kinds": {}, "kinds_not_run": []}
     for kind in MLA_ARMS:
         d = root / kind
+        if not (d / "run" / "final.json").exists():
+            out["kinds_not_run"].append(kind)  # said, never filled in
+            continue
         rc = read_json(d / "run" / "config.json")
         cfg = DraftConfig.from_dict(rc["draft"])
         out["kinds"][kind] = {**_final(d / "run"), **draft_sizes(cfg), "draft_config": rc["draft"],

@@ -46,6 +46,8 @@ def render(results: dict[str, dict]) -> str:
         ["draft attention", "held-out accuracy per TTT position", "parameters (attention)", "decoding cache per token (bf16)"],
         [[kind, _acc(v["held_out"]), f"{v['parameters']:,} ({v['parameters_by_part']['attention']:,})", f"{v['kv_bytes_per_token']:,} B"]
          for kind, v in t["kinds"].items()])
+    if t["kinds_not_run"]:
+        lines += ["", f"Not trained to the end on this machine: {', '.join(t['kinds_not_run'])}."]
     lines += _table(
         "At Kimi-K2.5's shape (`train --dry-run`, meta device, full vocabulary as the published drafts):",
         ["draft attention", "parameters", "of which attention", "decoding cache per token (bf16)"],
