@@ -40,14 +40,16 @@ def render(results: dict[str, dict]) -> str:
           _delta(a, "t1")] for name, a in s["arms"].items()])  # wall times: taken on a shared machine, not compared
     if s["arms_not_run"]:
         lines += ["", f"Not run (no time on this machine): {', '.join(s['arms_not_run'])}."]
-    lines += _table(
-        f"The tiny DeepSeek-V3 target ({t['target']}), its own features of the first {t['samples_captured']} demo "
-        "conversations, the same recipe in fp32 and the whole vocabulary for both kinds:",
-        ["draft attention", "held-out accuracy per TTT position", "parameters (attention)", "decoding cache per token (bf16)"],
-        [[kind, _acc(v["held_out"]), f"{v['parameters']:,} ({v['parameters_by_part']['attention']:,})", f"{v['kv_bytes_per_token']:,} B"]
-         for kind, v in t["kinds"].items()])
+    if t["kinds"]:
+        lines += _table(
+            f"The tiny DeepSeek-V3 target ({t['target']}), its own features of the first {t['samples_captured']} demo "
+            "conversations, the same recipe in fp32 and the whole vocabulary for both kinds:",
+            ["draft attention", "held-out accuracy per TTT position", "parameters (attention)", "decoding cache per token (bf16)"],
+            [[kind, _acc(v["held_out"]), f"{v['parameters']:,} ({v['parameters_by_part']['attention']:,})", f"{v['kv_bytes_per_token']:,} B"]
+             for kind, v in t["kinds"].items()])
     if t["kinds_not_run"]:
-        lines += ["", f"Not trained to the end on this machine: {', '.join(t['kinds_not_run'])}."]
+        lines += ["", f"The tiny DeepSeek-V3 target, GQA vs MLA draft: not trained to the end on this machine "
+                      f"({', '.join(t['kinds_not_run'])})."]
     lines += _table(
         "At Kimi-K2.5's shape (`train --dry-run`, meta device, full vocabulary as the published drafts):",
         ["draft attention", "parameters", "of which attention", "decoding cache per token (bf16)"],
