@@ -66,8 +66,8 @@ def main() -> int:
     from eaglenest.evaluate import exact
     from eaglenest.evaluate.mtbench import load_bench
     from eaglenest.evaluate.run import chat_prompt_ids, load_draft_for_target
-    from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, _new_cache, eos_token_ids
-    from eaglenest.models.target import load_target, load_tokenizer
+    from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, _new_cache
+    from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
 
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
@@ -88,7 +88,7 @@ def main() -> int:
                     modules[n].forward = functools.partial(_padded, modules[n])
 
     draft = load_draft_for_target(a.draft, target, "cpu", torch.bfloat16)
-    eos = eos_token_ids(target, tok)
+    eos = set(eos_token_ids(resolve_model_path("smollm2"), tok))
     spec = SpecDecoder(target, draft, eos, steps=3, topk=1)
     plain = PlainDecoder(target, eos)
     _, prompts = load_bench("mtbench")
