@@ -3,12 +3,11 @@ resume == uninterrupted, the per-slot metrics, the exact checkpoint contract vLL
 (config keys, tensor names and shapes), check-draft per engine, and the loaded draft == the trained one."""
 
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
-from test_train import cfg, losses, tiny_store  # noqa: F401 -- the shared tiny store fixture
+from test_train import cfg, keep_only_step3, losses, tiny_store  # noqa: F401 -- the shared tiny store fixture
 
 from eaglenest import EaglenestError
 from eaglenest.train.trainer import TrainConfig, Trainer
@@ -27,10 +26,7 @@ def test_dflash_resume_reproduces_uninterrupted_run(tiny_llama_dir, tiny_store, 
     res = Trainer(dcfg(tiny_llama_dir, tiny_store, full, max_steps=8)).fit()
     part = tmp_path / "part"
     Trainer(dcfg(tiny_llama_dir, tiny_store, part, max_steps=8, save_every=3)).fit()
-    for d in (part / "checkpoints").glob("step-*"):
-        if d.name != "step-00000003":
-            shutil.rmtree(d)
-    (part / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "dir": "step-00000003"}))
+    keep_only_step3(part)
     Trainer(dcfg(tiny_llama_dir, tiny_store, part, max_steps=8, resume=True)).fit()
     a, b = losses(full), losses(part)
     assert len(a) == 8 and a == pytest.approx(b, rel=1e-6, abs=1e-7)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_train import keep_only_step3
+
 from eaglenest.train.trainer import TrainConfig, Trainer
 
 ARGS = dict(ttt_steps=3, draft_vocab=500, max_steps=6, lr=3e-3, batch_tokens=256, grad_accum=2, eval_fraction=0.0, save_every=3, device="cpu")
@@ -95,11 +97,7 @@ def losses(run: Path):
 def cut_to_step3(src: Path, dst: Path) -> Path:
     """A copy of a run as if killed right after its step-3 checkpoint."""
     shutil.copytree(src, dst)
-    for d in (dst / "checkpoints").glob("step-*"):
-        if d.name != "step-00000003":
-            shutil.rmtree(d)
-    (dst / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "dir": "step-00000003"}))
-    return dst
+    return keep_only_step3(dst)
 
 
 def test_two_processes_equal_one_and_resume_on_any_rank_count(tiny_llama_dir, store, tmp_path):

@@ -47,18 +47,23 @@ def losses(run: Path):
     return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def keep_only_step3(run: Path) -> Path:
+    """A run as if killed right after its step-3 checkpoint: the other checkpoints gone, latest.json at step 3."""
+    import shutil
+
+    for d in (run / "checkpoints").glob("step-*"):
+        if d.name != "step-00000003":
+            shutil.rmtree(d)
+    (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "dir": "step-00000003"}))
+    return run
+
+
 def test_resume_reproduces_uninterrupted_losses(tiny_llama_dir, tiny_store, tmp_path):
     full = tmp_path / "full"
     Trainer(cfg(tiny_llama_dir, tiny_store, full)).fit()
     part = tmp_path / "part"
     Trainer(cfg(tiny_llama_dir, tiny_store, part, max_steps=8, save_every=3)).fit()
-    # simulate a kill after the step-3 checkpoint: keep only that checkpoint and its log
-    import shutil
-
-    for d in (part / "checkpoints").glob("step-*"):
-        if d.name != "step-00000003":
-            shutil.rmtree(d)
-    (part / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "dir": "step-00000003"}))
+    keep_only_step3(part)  # simulate a kill after the step-3 checkpoint
     Trainer(cfg(tiny_llama_dir, tiny_store, part, resume=True)).fit()
     a, b = losses(full), losses(part)
     assert len(a) == len(b) == 8
