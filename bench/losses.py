@@ -58,19 +58,14 @@ def proxy_dirs() -> dict[float, Path]:
     return {t: work_root(PRESET) / "losses-proxy" / f"t{t:g}" for t in TEMPERATURES}
 
 
-def _report(name: str, t: float) -> Path:
-    from arms import arm_dir
-
-    return arm_dir(name, PRESET) / f"eval-t{t:g}-n80-m128-s3-seed0.json"
-
-
 def proxy() -> None:
     """The MT-bench proxies from l-ce's decodes (the prompts + the target's own answers)."""
     import tau_levers
+    from arms import eval_report
 
     for t, d in proxy_dirs().items():
         if not (d / "features" / "store.json").exists():
-            tau_levers.proxy(argparse.Namespace(report=str(_report("l-ce", t)), out=str(d)))
+            tau_levers.proxy(argparse.Namespace(report=str(eval_report("l-ce", t, PRESET)), out=str(d)))
 
 
 def proxy_eval(name: str, t: float) -> dict:
@@ -90,7 +85,7 @@ def _r(x, n=4):
 
 
 def report(names: list[str]) -> None:
-    from arms import arm_summary
+    from arms import arm_summary, eval_report
     from common import write_result
 
     arms = {}
@@ -99,7 +94,7 @@ def report(names: list[str]) -> None:
         ev = s["final_eval"]
         decoded = {}
         for t in TEMPERATURES:
-            r = json.loads(_report(name, t).read_text())
+            r = json.loads(eval_report(name, t, PRESET).read_text())
             px = proxy_eval(name, t)
             key = "t0" if t == 0 else "t1"
             pred_held = ev["tau_t0"] if t == 0 else ev["tau_t1"]

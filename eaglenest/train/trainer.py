@@ -162,7 +162,6 @@ class Trainer:
         if resuming:
             self._check_resume()
             self._note_objective()
-        self.loss = cfg.loss_spec()
         if cfg.online:
             self.failures = FailureLog(self.out)
             if self.rank == 0:
