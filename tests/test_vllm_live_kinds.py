@@ -117,9 +117,9 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, smol_data, benc
         with pytest.raises(EaglenestError, match="exited with code"):
             served_like_ours(target, draft, bench, tmp_path, server_arg="--attention-backend=CPU_MLA")
         log = (tmp_path / "logs" / "spec" / "server.log").read_text()
-        assert "amx_mla.py" in log and "expect weight to be bfloat16, float16, int8" in log, log[-3000:]
+        # the exception vLLM raises (its text, not a log line that names a backend): the weight-dtype blocker
+        assert "expect weight to be bfloat16, float16, int8" in log, log[-3000:]
         return
     # CPUs without AMX: vLLM's reference CPU_MLA backend, which takes fp32 (where both engines write the same text)
     rv, rh = served_like_ours(target, draft, bench, tmp_path)
-    assert "Using CPU_MLA backend" in (tmp_path / "logs" / "spec" / "server.log").read_text()
-    assert_agreement(rv, rh)
+    assert_agreement(rv, rh)  # what was served and accepted, not which backend vLLM says it picked
