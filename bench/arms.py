@@ -151,6 +151,27 @@ def arm_summary(name: str, preset: str = "full") -> dict:
     return {"name": name, "run": str(d / "run"), "timing": timing, "final_eval": final.get("eval"), "steps": final.get("step")}
 
 
+def paired_delta_tau(a: dict, b: dict, n: int = 2000, seed: int = 0) -> dict:
+    """tau(b) - tau(a) over the same prompts, with a 95 % interval from resampling the prompts
+    (the same resample for both arms: the prompts' difficulty cancels)."""
+    import random
+
+    pa = {p["id"]: p for p in a["per_prompt"]}
+    pairs = [(pa[p["id"]], p) for p in b["per_prompt"]]
+
+    def tau(rows, i):
+        return sum(r[i]["verified_tokens"] for r in rows) / sum(r[i]["verify_steps"] for r in rows)
+
+    rng = random.Random(seed)
+    d = []
+    for _ in range(n):
+        rows = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        d.append(tau(rows, 1) - tau(rows, 0))
+    d.sort()
+    return {"delta": tau(pairs, 1) - tau(pairs, 0), "ci95": [d[int(0.025 * n)], d[int(0.975 * n) - 1]], "prompts": len(pairs),
+            "texts_identical": sum(x["output_ids"] == y["output_ids"] for x, y in pairs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["data", "train", "eval"])

@@ -142,27 +142,6 @@ def _lines(p: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
-def paired_delta_tau(a: dict, b: dict, n: int = 2000, seed: int = 0) -> dict:
-    """tau(b) - tau(a) over the same prompts, with a 95 % interval from resampling the prompts
-    (the same resample for both arms: the prompts' difficulty cancels)."""
-    import random
-
-    pa = {p["id"]: p for p in a["per_prompt"]}
-    pairs = [(pa[p["id"]], p) for p in b["per_prompt"]]
-
-    def tau(rows, i):
-        return sum(r[i]["verified_tokens"] for r in rows) / sum(r[i]["verify_steps"] for r in rows)
-
-    rng = random.Random(seed)
-    d = []
-    for _ in range(n):
-        rows = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        d.append(tau(rows, 1) - tau(rows, 0))
-    d.sort()
-    return {"delta": tau(pairs, 1) - tau(pairs, 0), "ci95": [d[int(0.025 * n)], d[int(0.975 * n) - 1]], "prompts": len(pairs),
-            "texts_identical": sum(x["output_ids"] == y["output_ids"] for x, y in pairs)}
-
-
 def report() -> None:
     smol, not_run = {}, []
     for name, flags in ARMS.items():
@@ -179,7 +158,7 @@ def report() -> None:
         smol[name] = {"flags": flags, "held_out": s["final_eval"], "steps": s["steps"], "timing": s["timing"], "eval": evals,
                       "provenance": _lines(d / "provenance.jsonl")}
         if name != "k-eagle3":  # against the EAGLE-3 arm, paired by prompt
-            smol[name]["delta_tau_vs_k-eagle3"] = {f"t{t:g}": paired_delta_tau(arms.eval_arm("k-eagle3", t), arms.eval_arm(name, t))
+            smol[name]["delta_tau_vs_k-eagle3"] = {f"t{t:g}": arms.paired_delta_tau(arms.eval_arm("k-eagle3", t), arms.eval_arm(name, t))
                                                     for t in TEMPERATURES}
     write_result("draft_kinds", {
         "what": "EAGLE-3 vs EAGLE 3.1 (fc_norm, norm_output, both) on SmolLM2 with the demo recipe, one run each on the same "

@@ -85,7 +85,7 @@ def _r(x, n=4):
 
 
 def report(names: list[str]) -> None:
-    from arms import arm_summary, eval_report
+    from arms import arm_summary, eval_report, paired_delta_tau
     from common import write_result
 
     arms = {}
@@ -115,16 +115,22 @@ def report(names: list[str]) -> None:
                         "loss": _r(ev["loss"])},
             "decoded": decoded,
         }
-    base = arms.get("l-ce")
-    for a in arms.values():
-        if base:
-            a["tau_vs_ce"] = {k: _r(a["decoded"][k]["tau"] / base["decoded"][k]["tau"] - 1) for k in ("t0", "t1")}
+    if "l-ce" in arms:  # each arm against ce, paired by prompt (95 % interval from resampling the prompts)
+        for name, a in arms.items():
+            a["tau_vs_ce"] = {k: _r(a["decoded"][k]["tau"] / arms["l-ce"]["decoded"][k]["tau"] - 1) for k in ("t0", "t1")}
+            if name != "l-ce":
+                a["delta_tau_vs_ce"] = {
+                    "t0" if t == 0 else "t1": {k: _r(v) if isinstance(v, (float, list)) else v for k, v in paired_delta_tau(
+                        json.loads(eval_report("l-ce", t, PRESET).read_text()),
+                        json.loads(eval_report(name, t, PRESET).read_text())).items()}
+                    for t in TEMPERATURES}
     write_result("losses", {
         "what": "draft trained with each loss on the demo's recipe (same data, steps, seed), decoded on MT-bench first turns",
         "recipe": "eaglenest demo full preset (bench/arms.py train_flags) + the arm's --loss",
         "decode": {"prompts": 80, "turns": 1, "steps": 3, "topk": 1, "max_new_tokens": 128, "temperatures": list(TEMPERATURES),
                    "draft_sampling_t1": "sample", "engine": "hf (in-process decoder)"},
         "arms": arms,
+        "arms_not_run": [n for n in ARMS if n not in arms],
     })
 
 

@@ -71,6 +71,7 @@ def main() -> None:
             if eng == "vllm":
                 result["vllm_version"] = reports[eng].get("vllm_version")
                 result["vllm_speculative_config"] = reports[eng].get("vllm_speculative_config")
+                result["vllm_fixes"] = reports[eng].get("vllm_fixes")
         result[dtype] = compare(reports["vllm"], reports["hf"])
         r = result[dtype]
         print(f"{dtype}: vLLM tau {r['tau_vllm']:.3f}, ours {r['tau_ours']:.3f} ({100 * r['relative_gap']:.1f} %); "

@@ -13,23 +13,26 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.1f} %"
 
 
+def _delta(d: dict) -> str:
+    return f"{d['delta']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+
 def render(results: dict[str, dict]) -> str:
     r = results["losses.json"]
     d = r["decode"]
     head = [
         "| arm (`--loss`) | train wall | held-out accept T=0, per position | held-out α (T=1) | τ T=0: predicted held-out / MT proxy → "
-        "**decoded** | τ T=1: predicted held-out / MT proxy → **decoded** | decoded vs `ce` (T=0 / T=1) |",
+        "**decoded** | τ T=1: predicted held-out / MT proxy → **decoded** | decoded τ − `ce`'s (T=0 / T=1), 95 % interval over prompts |",
         "|---|---|---|---|---|---|---|",
     ]
     rows = []
     for name, a in r["arms"].items():
         h, t0, t1 = a["heldout"], a["decoded"]["t0"], a["decoded"]["t1"]
-        vs = a.get("tau_vs_ce")
         rows.append(
             f"| {name} (`{' '.join(a['flags'][1:])}`) | {a['train_wall_s'] / 60:.1f} min | {_pos(h['acc'])} | {_pos(h['alpha'])} | "
             f"{t0['predicted_tau_heldout']:.3f} / {t0['predicted_tau_mtbench_proxy']:.3f} → **{t0['tau']:.3f}** | "
             f"{t1['predicted_tau_heldout']:.3f} / {t1['predicted_tau_mtbench_proxy']:.3f} → **{t1['tau']:.3f}** | "
-            + (f"{_pct(vs['t0'])} / {_pct(vs['t1'])} |" if vs and name != "l-ce" else "— |"))
+            + (f"{_delta(a['delta_tau_vs_ce']['t0'])} / {_delta(a['delta_tau_vs_ce']['t1'])} |" if name != "l-ce" else "— |"))
     gaps = "; ".join(
         f"{n}: held-out {_pct(a['decoded']['t0']['gap_heldout'])} / {_pct(a['decoded']['t1']['gap_heldout'])}, "
         f"MT proxy {_pct(a['decoded']['t0']['gap_mtbench_proxy'])} / {_pct(a['decoded']['t1']['gap_mtbench_proxy'])}"
@@ -42,4 +45,5 @@ def render(results: dict[str, dict]) -> str:
         f"(`bench/results/losses.json`, `bench/losses.py`):\n\n" + "\n".join(head + rows) + "\n\n"
         f"Predicted minus decoded τ, relative (T=0 / T=1): {gaps}. The `ce` arm's decodes: T=0 "
         f"{ce['t0']['verified_tokens']:,} tokens in {ce['t0']['verify_steps']:,} verification steps, T=1 "
-        f"{ce['t1']['verified_tokens']:,} in {ce['t1']['verify_steps']:,}.\n")
+        f"{ce['t1']['verified_tokens']:,} in {ce['t1']['verify_steps']:,}."
+        + (f" Not run: {', '.join(r['arms_not_run'])}." if r["arms_not_run"] else "") + "\n")

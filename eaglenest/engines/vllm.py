@@ -41,6 +41,7 @@ from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines.base import Captured, Engine, EngineInfo, Failure, Generated, Request, check_echo
 from eaglenest.engines.http import Client, RequestFailed, merge_stats
 from eaglenest.engines.server import ServerProcess
+from eaglenest.engines.vllm_fixes import plugin_dist
 from eaglenest.models.target import eos_token_ids, model_config
 
 NAME = "vllm"
@@ -169,12 +170,19 @@ def server_command(
     return cmd
 
 
-def start_server(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0) -> ServerProcess:
-    """A started vLLM server (vLLM-specific environment; the process handling is shared)."""
+def server_process(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0) -> ServerProcess:
+    """A vLLM server, not started: vLLM's environment, and our plugin on its path (vLLM 0.32's CPU
+    rejection sampler corrupts temperature > 0 speculation; `vllm_fixes.py` repairs it)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB),
            "VLLM_NO_USAGE_STATS": os.environ.get("VLLM_NO_USAGE_STATS", "1")}
-    return ServerProcess("vllm", cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout,
-                         env=env).start()
+    server = ServerProcess("vllm", cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout, env=env)
+    plugin_dist(server.path_dir)
+    return server
+
+
+def start_server(cmd_factory, *, workdir: Path, log_file=None, startup_timeout: float = 600.0) -> ServerProcess:
+    """A started vLLM server (vLLM-specific environment; the process handling is shared)."""
+    return server_process(cmd_factory, workdir=workdir, log_file=log_file, startup_timeout=startup_timeout).start()
 
 
 # --------------------------------------------------------------------------------------- HTTP

@@ -94,6 +94,7 @@ def run_eval(args) -> dict:
         chat_prompt_ids, check_draft_fits, draft_sampling, finish_report, load_prompts, merge_server_baseline, report_header,
         run_conversations,
     )
+    from eaglenest.engines.vllm_fixes import LOG_PREFIX as FIX_PREFIX
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import eos_token_ids, load_tokenizer, resolve_model_path
 
@@ -217,6 +218,8 @@ def run_eval(args) -> dict:
     report["vllm_server_start_s"] = server_times
     report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"
     report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text
+    # what our plugin (engines/vllm_fixes.py) did in the server's processes: repaired or left vLLM's CPU fallback
+    report["vllm_fixes"] = sorted({ln[ln.index(FIX_PREFIX):].strip() for ln in log_text.splitlines() if FIX_PREFIX in ln})
     # the prefill's token is not verified: generated = verified + 1 per generation, unless a
     # verification round overshot max_new_tokens / eos (vLLM counts what it accepted)
     report["vllm_unaccounted_tokens"] = sum(r["generated_tokens"] - 1 - r["verified_tokens"] for r in records)

@@ -167,7 +167,8 @@ class HFEvaluator:
     """Our own speculative decoding over the transformers target.  With --workers N the
     conversations are spread over N processes (each with its own copy of the target and draft,
     and cores / N threads): batch-1 decoding of a small target on a CPU is bound by per-op latency,
-    not by the cores, so two 1-thread processes decode ~1.35x the tokens/s of one 2-thread process.
+    not by the cores, so two 1-thread processes decode more tokens/s than one 2-thread process
+    (bench/results/eval_workers_cpu.json).
     Each conversation is decoded exactly as with one process; only the thread count differs."""
 
     def __init__(self, args):
