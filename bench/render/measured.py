@@ -94,6 +94,16 @@ def verification(r):
             f"{d['model']['same_as_plain']} of {r['texts_compared']} (`--attention model`)")
 
 
+def vllm_t1(r):
+    x = r["bf16"]
+    fixed = "our CPU fix applied" if any("replaced" in f for f in r["vllm_fixes"]) else "vLLM unpatched"
+    return (f"τ at temperature {r['temperature']:g}, {r['draft_sampling']} drafts: vLLM {r['vllm_version']} (`draft_sample_method: "
+            f"{r['vllm_speculative_config']['draft_sample_method']}`, {fixed}) vs our decoder, the same draft (quick demo's) "
+            f"and {x['prompts']} MT-bench prompts × {r['max_new_tokens']} tokens, bf16 ({cpu(r)})",
+            f"**{x['tau_vllm']:.3f} vs {x['tau_ours']:.3f}** ({100 * x['relative_gap']:.1f} % apart); accept per position "
+            f"{seq(x['accept_per_position_vllm'], 3)} vs {seq(x['accept_per_position_ours'], 3)}")
+
+
 ROWS = [
     (["capture_cpu.json"], capture),
     (["train_step_cpu_smollm2_512.json", "train_step_cpu_smollm2_1024.json", "train_step_cpu_smollm2_2048.json"], train_step),
@@ -103,6 +113,8 @@ ROWS = [
     (["online.json"], online),
     (["sglang_live.json"], sglang),
     (["verification_cpu.json"], verification),
+    (["vllm_agreement_t1_quick.json"], vllm_t1),
+    (["vllm_agreement_t1_quick_argmax.json"], vllm_t1),
 ]
 FILES = [f for files, _ in ROWS for f in files]
 NOT_MEASURED = [
