@@ -79,8 +79,8 @@ def test_vllm_serves_our_dflash_draft_like_our_decoder(smollm2, dflash_draft, tm
     print("vllm:", json.dumps({k: rv[k] for k in ("tau", "accept_per_position", "verify_steps", "greedy_matches_baseline")}))
     print("ours:", json.dumps({k: rh[k] for k in ("tau", "accept_per_position", "verify_steps", "greedy_matches_baseline")}))
     assert rv["steps"] == rh["steps"] == BLOCK - 1  # num_speculative_tokens = block_size - 1
-    log = (tmp_path / "logs" / "spec" / "server.log").read_text()
-    assert "DFlash" in log  # vLLM built its DFlash drafter (DFlashQwen3ForCausalLM / DFlashProposer)
+    # served as DFlash (no assert on vLLM's log wording): its drafts are counted and accepted like ours, below
+    assert rv["vllm_speculative_config"]["method"] == "dflash" and rv["verify_steps"] > 0
     # not vacuous: the briefly trained draft is accepted now and then (a random one is not), so the
     # comparison below is about accepted tokens (measured on an Intel AMX machine: tau 1.083 on both
     # engines, the same acceptance per block slot)

@@ -100,6 +100,18 @@ def test_tau_agreement_at_temperature_1(smollm2, quick_demo, tmp_path):
     assert abs(rv["tau"] - rh["tau"]) <= 0.05 * rh["tau"], (rv["tau"], rh["tau"])
 
 
+def test_temperature_1_is_refused_when_the_server_did_not_load_our_plugin(smollm2, quick_demo, tmp_path, monkeypatch):
+    """VLLM_PLUGINS naming other plugins keeps ours out of the server: eval reads that from the
+    server's log and refuses to report temperature > 0 numbers (corrupt on a CPU vLLM 0.32)."""
+    from eaglenest import EaglenestError
+    from eaglenest.evaluate.run import evaluate
+
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    with pytest.raises(EaglenestError, match="did not load eaglenest's plugin"):
+        evaluate(_args(smollm2, quick_demo / "draft", "mtbench", tmp_path / "v.json", "vllm", limit=1, max_new_tokens=8,
+                       no_baseline=True, temperature=1.0, draft_sampling="sample"))
+
+
 def assert_bf16_greedy_agreement(r: dict) -> None:
     """Every greedy generation equals the baseline's, or parts from it at a near-tie of the
     baseline's own top-2 (a later turn may then differ from its prompt on)."""

@@ -64,8 +64,9 @@ def register() -> None:
         from vllm.triton_utils import HAS_TRITON
     except ImportError:
         return
-    if not current_platform.is_cpu() or HAS_TRITON:
-        return  # vLLM runs the Triton kernel itself: nothing to repair
+    if not current_platform.is_cpu() or HAS_TRITON:  # vLLM runs the Triton kernel itself: nothing to repair
+        print(f"{LOG_PREFIX} not needed here (vLLM runs its Triton kernels)", file=sys.stderr, flush=True)
+        return
     from vllm.utils import cpu_triton_utils as cpu_tl
 
     if getattr(cpu_tl._expand_kernel_impl, "__module__", None) == __name__:

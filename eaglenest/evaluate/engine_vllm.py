@@ -220,6 +220,11 @@ def run_eval(args) -> dict:
     report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text
     # what our plugin (engines/vllm_fixes.py) did in the server's processes: repaired or left vLLM's CPU fallback
     report["vllm_fixes"] = sorted({ln[ln.index(FIX_PREFIX):].strip() for ln in log_text.splitlines() if FIX_PREFIX in ln})
+    if temp > 0 and not report["vllm_fixes"]:  # e.g. VLLM_PLUGINS set without it: the sampled results may be corrupt
+        raise EaglenestError(f"the vLLM server did not load eaglenest's plugin (its log {workdir / 'spec' / 'server.log'} has "
+                             f"no '{FIX_PREFIX}' line; is VLLM_PLUGINS set without 'eaglenest_cpu_expand_fix'?): on a CPU "
+                             "vLLM 0.32 speculative sampling at temperature > 0 is then corrupt (docs/vllm.md), so no "
+                             "result is reported")
     # the prefill's token is not verified: generated = verified + 1 per generation, unless a
     # verification round overshot max_new_tokens / eos (vLLM counts what it accepted)
     report["vllm_unaccounted_tokens"] = sum(r["generated_tokens"] - 1 - r["verified_tokens"] for r in records)
