@@ -94,11 +94,11 @@ def verification(r):
             f"{d['model']['same_as_plain']} of {r['texts_compared']} (`--attention model`)")
 
 
-def vllm_t1(r):
+def vllm_t1(r, draft="the quick demo's"):
     x = r["bf16"]
     fixed = "our CPU fix applied" if any("replaced" in f for f in r["vllm_fixes"]) else "vLLM unpatched"
     return (f"τ at temperature {r['temperature']:g}, {r['draft_sampling']} drafts: vLLM {r['vllm_version']} (`draft_sample_method: "
-            f"{r['vllm_speculative_config']['draft_sample_method']}`, {fixed}) vs our decoder, the same draft (quick demo's) "
+            f"{r['vllm_speculative_config']['draft_sample_method']}`, {fixed}) vs our decoder, the same draft ({draft}) "
             f"and {x['prompts']} MT-bench prompts × {r['max_new_tokens']} tokens, bf16 ({cpu(r)})",
             f"**{x['tau_vllm']:.3f} vs {x['tau_ours']:.3f}** ({100 * x['relative_gap']:.1f} % apart); accept per position "
             f"{seq(x['accept_per_position_vllm'], 3)} vs {seq(x['accept_per_position_ours'], 3)}")
@@ -115,6 +115,7 @@ ROWS = [
     (["verification_cpu.json"], verification),
     (["vllm_agreement_t1_quick.json"], vllm_t1),
     (["vllm_agreement_t1_quick_argmax.json"], vllm_t1),
+    (["vllm_agreement_t1_demo.json"], lambda r: vllm_t1(r, draft="the full demo recipe's, arm l-ce of losses.json")),
 ]
 FILES = [f for files, _ in ROWS for f in files]
 NOT_MEASURED = [
