@@ -88,13 +88,14 @@ def report(names: list[str]) -> None:
     from arms import arm_summary, eval_report, paired_delta_tau
     from common import write_result
 
-    arms = {}
+    arms, decodes = {}, {}  # decodes[name][t]: the arm's decode report (read once)
     for name in names:
         s = arm_summary(name, PRESET)
         ev = s["final_eval"]
         decoded = {}
+        decodes[name] = {t: json.loads(eval_report(name, t, PRESET).read_text()) for t in TEMPERATURES}
         for t in TEMPERATURES:
-            r = json.loads(eval_report(name, t, PRESET).read_text())
+            r = decodes[name][t]
             px = proxy_eval(name, t)
             key = "t0" if t == 0 else "t1"
             pred_held = ev["tau_t0"] if t == 0 else ev["tau_t1"]
@@ -120,9 +121,8 @@ def report(names: list[str]) -> None:
             a["tau_vs_ce"] = {k: _r(a["decoded"][k]["tau"] / arms["l-ce"]["decoded"][k]["tau"] - 1) for k in ("t0", "t1")}
             if name != "l-ce":
                 a["delta_tau_vs_ce"] = {
-                    "t0" if t == 0 else "t1": {k: _r(v) if isinstance(v, (float, list)) else v for k, v in paired_delta_tau(
-                        json.loads(eval_report("l-ce", t, PRESET).read_text()),
-                        json.loads(eval_report(name, t, PRESET).read_text())).items()}
+                    "t0" if t == 0 else "t1": {k: _r(v) if isinstance(v, (float, list)) else v
+                                               for k, v in paired_delta_tau(decodes["l-ce"][t], decodes[name][t]).items()}
                     for t in TEMPERATURES}
     write_result("losses", {
         "what": "draft trained with each loss on the demo's recipe (same data, steps, seed), decoded on MT-bench first turns",

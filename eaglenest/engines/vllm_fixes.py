@@ -83,6 +83,11 @@ def register() -> None:
         print(f"{LOG_PREFIX} vLLM's CPU expand fallback is correct here; left as is", file=sys.stderr, flush=True)
 
 
+def reported(log_text: str) -> list[str]:
+    """What the plugin said in a server's log (one line per distinct message; empty: it never ran)."""
+    return sorted({ln[ln.index(LOG_PREFIX):].strip() for ln in log_text.splitlines() if LOG_PREFIX in ln})
+
+
 def plugin_dist(directory: Path) -> Path:
     """Write the distribution record that makes vLLM (importlib.metadata over sys.path) find
     `register` as a `vllm.general_plugins` entry point in processes with `directory` on their

@@ -94,7 +94,7 @@ def run_eval(args) -> dict:
         chat_prompt_ids, check_draft_fits, draft_sampling, finish_report, load_prompts, merge_server_baseline, report_header,
         run_conversations,
     )
-    from eaglenest.engines.vllm_fixes import LOG_PREFIX as FIX_PREFIX
+    from eaglenest.engines.vllm_fixes import reported
     from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import eos_token_ids, load_tokenizer, resolve_model_path
 
@@ -195,6 +195,12 @@ def run_eval(args) -> dict:
         server = serve(spec, name)
         try:
             server_times[name] = server.start_seconds or 0.0
+            # the plugin speaks while vLLM's processes start, so a server without it is refused before any decoding
+            if spec and temp > 0 and not reported(server.log_path.read_text(errors="replace")):
+                raise EaglenestError(
+                    f"the vLLM server did not load eaglenest's plugin (its log {server.log_path} has no line from "
+                    "eaglenest/engines/vllm_fixes.py; is VLLM_PLUGINS set without 'eaglenest_cpu_expand_fix'?): on a CPU "
+                    "vLLM 0.32 speculative sampling at temperature > 0 is then corrupt (docs/vllm.md), so no result is reported")
             client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
             try:
                 recs, version = run_all(client, spec, f"eval vllm {name}")
@@ -219,12 +225,7 @@ def run_eval(args) -> dict:
     report["vllm_tau_source"] = "1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)"
     report["vllm_draft_shares_target_embeddings"] = "without its own embed_tokens" in log_text
     # what our plugin (engines/vllm_fixes.py) did in the server's processes: repaired or left vLLM's CPU fallback
-    report["vllm_fixes"] = sorted({ln[ln.index(FIX_PREFIX):].strip() for ln in log_text.splitlines() if FIX_PREFIX in ln})
-    if temp > 0 and not report["vllm_fixes"]:  # e.g. VLLM_PLUGINS set without it: the sampled results may be corrupt
-        raise EaglenestError(f"the vLLM server did not load eaglenest's plugin (its log {workdir / 'spec' / 'server.log'} has "
-                             f"no '{FIX_PREFIX}' line; is VLLM_PLUGINS set without 'eaglenest_cpu_expand_fix'?): on a CPU "
-                             "vLLM 0.32 speculative sampling at temperature > 0 is then corrupt (docs/vllm.md), so no "
-                             "result is reported")
+    report["vllm_fixes"] = reported(log_text)
     # the prefill's token is not verified: generated = verified + 1 per generation, unless a
     # verification round overshot max_new_tokens / eos (vLLM counts what it accepted)
     report["vllm_unaccounted_tokens"] = sum(r["generated_tokens"] - 1 - r["verified_tokens"] for r in records)
