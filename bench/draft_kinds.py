@@ -125,6 +125,14 @@ def mla_summary() -> dict:
     return out
 
 
+def _mla_or_carried(previous: dict | None) -> dict:
+    out = mla_summary()
+    if not out["kinds"] and previous and previous.get("tiny_deepseek_v3", {}).get("kinds"):
+        out = dict(previous["tiny_deepseek_v3"])  # measured by an earlier run of this script elsewhere
+        out.setdefault("carried_from", {k: previous[k] for k in ("date", "git_commit", "machine")})
+    return out
+
+
 def kimi_sizes() -> dict:
     """Both kinds at Kimi-K2.5's shape (full vocabulary, as the published drafts), on the meta device."""
     sys.path.insert(0, str(HERE.parent / "tests"))
@@ -142,12 +150,54 @@ def _lines(p: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
+def _complete(name: str) -> bool:
+    return (arms.arm_dir(name) / "run" / "final.json").exists() and all(arms.eval_report(name, t).exists() for t in TEMPERATURES)
+
+
+# bench/losses.py's `ce` arm trains EAGLE-3 with the demo recipe on the same store: where k-eagle3 was
+# not run on this machine, it is the reference the other arms are paired with (checked: same argv)
+SAME_AS_EAGLE3 = "l-ce"
+
+
+def _train_argv(name: str) -> list[str]:
+    argv = json.loads((arms.arm_dir(name) / "timing.json").read_text())["argv"]
+    out = argv.index("--out")
+    argv = argv[:out] + argv[out + 2:]
+    return argv[:-2] if argv[-2:] == ["--loss", "ce"] else argv  # ce is the default loss
+
+
+def reference_arm() -> str | None:
+    """The EAGLE-3 arm the others are paired with on this machine (None: none is here)."""
+    if _complete("k-eagle3"):
+        return "k-eagle3"
+    eagle3 = ["train", "--model", arms.model_path(), "--features", str(arms.work_root() / "features"), *arms.train_flags()]
+    if _complete(SAME_AS_EAGLE3) and _train_argv(SAME_AS_EAGLE3) == eagle3:
+        return SAME_AS_EAGLE3
+    return None
+
+
+def _carried(previous: dict | None, name: str) -> dict | None:
+    """An arm measured in an earlier run of this script on another machine (its work directory is not
+    here): kept as that run wrote it, with where it came from."""
+    if not previous or name not in previous.get("smollm2", {}).get("arms", {}):
+        return None
+    a = dict(previous["smollm2"]["arms"][name])
+    a.setdefault("carried_from", {k: previous[k] for k in ("date", "git_commit", "machine")})
+    return a
+
+
 def report() -> None:
+    prev_path = HERE / "results" / "draft_kinds.json"
+    previous = json.loads(prev_path.read_text()) if prev_path.exists() else None
+    ref = reference_arm()
     smol, not_run = {}, []
     for name, flags in ARMS.items():
         d = arms.arm_dir(name)
-        if not (d / "run" / "final.json").exists() or not all(arms.eval_report(name, t).exists() for t in TEMPERATURES):
-            not_run.append(name)  # said in the report, never filled in
+        if not _complete(name):
+            if (a := _carried(previous, name)) is not None:
+                smol[name] = a
+            else:
+                not_run.append(name)  # said in the report, never filled in
             continue
         s = arms.arm_summary(name)
         evals = {}
@@ -157,9 +207,13 @@ def report() -> None:
                                                    "verify_steps", "temperature", "max_new_tokens", "steps", "topk", "greedy_matches_baseline")}
         smol[name] = {"flags": flags, "held_out": s["final_eval"], "steps": s["steps"], "timing": s["timing"], "eval": evals,
                       "provenance": _lines(d / "provenance.jsonl")}
-        if name != "k-eagle3":  # against the EAGLE-3 arm, paired by prompt
-            smol[name]["delta_tau_vs_k-eagle3"] = {f"t{t:g}": arms.paired_delta_tau(arms.eval_arm("k-eagle3", t), arms.eval_arm(name, t))
+        if name != "k-eagle3" and ref:  # against the EAGLE-3 arm trained here, paired by prompt
+            smol[name]["delta_tau_vs_k-eagle3"] = {f"t{t:g}": arms.paired_delta_tau(arms.eval_arm(ref, t), arms.eval_arm(name, t))
                                                     for t in TEMPERATURES}
+            if ref != "k-eagle3":
+                r = {f"t{t:g}": arms.eval_arm(ref, t)["tau"] for t in TEMPERATURES}
+                smol[name]["eagle3_reference"] = {"arm": ref, "tau": r, "why": "k-eagle3 was not run on this machine; bench/losses.py's "
+                                                  "ce arm is the same training (same argv, store, seed), re-run here"}
     write_result("draft_kinds", {
         "what": "EAGLE-3 vs EAGLE 3.1 (fc_norm, norm_output, both) on SmolLM2 with the demo recipe, one run each on the same "
                 "store, seed and steps; tau on all 80 MT-bench first turns (our decoder, 3 steps, topk 1, 128 new tokens) at "
@@ -167,7 +221,7 @@ def report() -> None:
                 "shape sizes computed on the meta device.",
         "smollm2": {"recipe": arms.train_flags(), "store": str(arms.work_root() / "features"), "prompts": 80, "arms": smol,
                     "arms_not_run": not_run},
-        "tiny_deepseek_v3": mla_summary(),
+        "tiny_deepseek_v3": _mla_or_carried(previous),
         "kimi_k25_shape": kimi_sizes(),
     })
 

@@ -38,6 +38,17 @@ def render(results: dict[str, dict]) -> str:
          "vs EAGLE-3"],
         [[name, " ".join(a["flags"]) or "(EAGLE-3)", _acc(a["held_out"]), _tau(a["eval"]["t0"]), _delta(a, "t0"), _tau(a["eval"]["t1"]),
           _delta(a, "t1")] for name, a in s["arms"].items()])  # wall times: taken on a shared machine, not compared
+    carried = [n for n, a in s["arms"].items() if "carried_from" in a]
+    if carried:
+        c = s["arms"][carried[0]]["carried_from"]
+        lines += ["", f"{', '.join(carried)}: trained and decoded by an earlier run of the script ({c['date'][:10]}, commit "
+                      f"{c['git_commit'][:7]}, {c['machine']['cpu_model']}), carried in the file as it wrote them."]
+    refs = {n: a["eagle3_reference"] for n, a in s["arms"].items() if "eagle3_reference" in a and "carried_from" not in a}
+    if refs:
+        r = next(iter(refs.values()))
+        lines += ["", f"{', '.join(refs)}: \"vs EAGLE-3\" is paired with the EAGLE-3 recipe re-run on the machine that trained "
+                      f"them (`{r['arm']}` of `bench/losses.py`, the same argv: tau {r['tau']['t0']:.3f} at temperature 0, "
+                      f"{r['tau']['t1']:.3f} at 1), not with the k-eagle3 row."]
     if s["arms_not_run"]:
         lines += ["", f"Not run (no time on this machine): {', '.join(s['arms_not_run'])}."]
     if t["kinds"]:
