@@ -41,8 +41,9 @@ def render(results: dict[str, dict]) -> str:
     carried = [n for n, a in s["arms"].items() if "carried_from" in a]
     if carried:
         c = s["arms"][carried[0]]["carried_from"]
-        lines += ["", f"{', '.join(carried)}: trained and decoded by an earlier run of the script ({c['date'][:10]}, commit "
-                      f"{c['git_commit'][:7]}, {c['machine']['cpu_model']}), carried in the file as it wrote them."]
+        lines += ["", f"{', '.join(carried)}: trained and decoded on another machine, reported by an earlier run of the script "
+                      f"({c['date'][:10]}, commit {c['git_commit'][:7]}, {c['machine']['cpu_model']}) and carried in the file as "
+                      "it wrote them (each arm's train and decode commits are in its provenance)."]
     refs = {n: a["eagle3_reference"] for n, a in s["arms"].items() if "eagle3_reference" in a and "carried_from" not in a}
     if refs:
         r = next(iter(refs.values()))
@@ -58,6 +59,10 @@ def render(results: dict[str, dict]) -> str:
             ["draft attention", "held-out accuracy per TTT position", "parameters (attention)", "decoding cache per token (bf16)"],
             [[kind, _acc(v["held_out"]), f"{v['parameters']:,} ({v['parameters_by_part']['attention']:,})", f"{v['kv_bytes_per_token']:,} B"]
              for kind, v in t["kinds"].items()])
+    if "carried_from" in t:
+        c = t["carried_from"]
+        lines += ["", f"(Trained on another machine, reported by an earlier run of the script: {c['date'][:10]}, commit "
+                      f"{c['git_commit'][:7]}, {c['machine']['cpu_model']}.)"]
     if t["kinds_not_run"]:
         lines += ["", f"The tiny DeepSeek-V3 target, GQA vs MLA draft: not trained to the end on this machine "
                       f"({', '.join(t['kinds_not_run'])})."]
