@@ -12,7 +12,7 @@ def _arm_row(name: str, a: dict) -> str:
     else:
         what = f"EAGLE-3, 1 layer, chain of {e['steps']}, target layers {d['aux_layer_ids']}"
     acc = " / ".join(f"{x:.2f}" for x in e["accept_per_position"][:4]) + (" / ..." if len(e["accept_per_position"]) > 4 else "")
-    return (f"| {what} | {t['steps']:,} steps, {t['timing']['wall_s'] / 60:.1f} min | **{e['tau']:.3f}** | {acc} | "
+    return (f"| {what} | {t['steps']:,} steps, {t['timing']['wall_s'] / 60:.1f} min | **{e['tau']:.3f}** | {t['final_eval']['tau_t0']:.2f} | {acc} | "
             f"{e['draft_ms_per_round']:.1f} ms | {e['verify_ms_per_round']:.1f} ms | {e['spec_tokens_per_s']:.1f} vs "
             f"{e['baseline_tokens_per_s']:.1f} tok/s (**{e['speedup']:.2f}x**) | {e['greedy_matches_baseline']} |")
 
@@ -29,8 +29,8 @@ def render(results: dict[str, dict]) -> str:
         f"all {r['prompts']} MT-bench first turns (128 new tokens, greedy, batch 1) beside plain decoding of the same "
         f"{r['texts_compared']} prompts.",
         "",
-        "| draft | training | τ | accepted at slot 1 / 2 / 3 / 4 | draft cost per round | target per round | decoding vs plain | greedy == plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| draft | training | τ | τ its held-out split predicted | accepted at slot 1 / 2 / 3 / 4 | draft cost per round | target per round | decoding vs plain | greedy == plain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in arms.items():
         lines.append(_arm_row(name, a))
