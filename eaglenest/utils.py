@@ -191,14 +191,46 @@ def release_free_heap() -> None:
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc():
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 -- both exist only in glibc
+        return libc
     except (OSError, AttributeError):
-        return None  # no glibc (macOS, musl): memory is not trimmed, which costs only resident size
+        return None  # no glibc (macOS, musl): its defaults stay, which costs only speed and resident size
+
+
+def _malloc_trim():
+    libc = _glibc()
+    return None if libc is None else libc.malloc_trim
+
+
+# mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_freed_heap() -> bool:
+    """Let glibc reuse freed memory instead of handing it back to the OS at every free.
+
+    Why: a CPU capture batch, training step or decoding round allocates and frees the same large
+    tensors over and over.  glibc serves every block above its mmap threshold (32 MiB at most)
+    with a fresh mmap and trims the top of the heap as soon as 2x that is free, so each batch
+    faults in and zeroes its pages again: ~10 % of a capture's CPU time went to page faults on a
+    2-core Xeon (bench/results/demo_time_probes.json).  Here every block comes from the heap and
+    the heap is kept (the trainer still trims it every TRIM_EVERY steps, bounding the resident
+    size).  Same numbers, only the allocator's bookkeeping changes.  Skipped where the user set
+    glibc's own MALLOC_* variables or EAGLENEST_SYSTEM_MALLOC=1, and where the C library is not
+    glibc.  Returns whether it applied."""
+    if os.environ.get("EAGLENEST_SYSTEM_MALLOC") == "1" or any(k in os.environ for k in _MALLOC_ENV):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    return all(libc.mallopt(p, v) == 1 for p, v in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 34), (_M_TOP_PAD, 1 << 28)))
 
 
 def usable_cpus() -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from eaglenest import EaglenestError
+from eaglenest.utils import keep_freed_heap
 
 DTYPES = ("bf16", "fp32", "fp16")
 # bf16 is the default: on this AVX-512-BF16 CPU a bf16 forward of 4 tokens costs ~1.1x one of 1
@@ -332,6 +333,7 @@ def _worker_init(args, threads: int) -> None:
     # an exception escaping a Pool initializer makes the pool respawn workers forever: keep it
     # and raise it from the first task instead
     try:
+        keep_freed_heap()  # a spawned worker does not pass through cli.main
         ev = HFEvaluator(args)
         _WORKER["meta"] = ev.setup(threads)
         _WORKER["ev"] = ev
