@@ -1,5 +1,3 @@
-import sys
+from eaglenest.cli import run
 
-from eaglenest.cli import main
-
-sys.exit(main())
+run()

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    keep_freed_heap()  # every command: the same numbers, fewer page faults (utils.keep_freed_heap)
     try:
         rc = args.func(args)
     except EaglenestError as e:
@@ -66,5 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The process entry (`eaglenest`, `python -m eaglenest`): the allocator is tuned for the whole
+    process here, not in `main`, which tests and the demo also call inside a longer-lived process."""
+    keep_freed_heap()  # the same numbers, fewer page faults (utils.keep_freed_heap)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

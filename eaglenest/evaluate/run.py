@@ -333,7 +333,7 @@ def _worker_init(args, threads: int) -> None:
     # an exception escaping a Pool initializer makes the pool respawn workers forever: keep it
     # and raise it from the first task instead
     try:
-        keep_freed_heap()  # a spawned worker does not pass through cli.main
+        keep_freed_heap()  # a spawned worker does not pass through cli.run, the process entry
         ev = HFEvaluator(args)
         _WORKER["meta"] = ev.setup(threads)
         _WORKER["ev"] = ev
