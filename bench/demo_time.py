@@ -171,6 +171,16 @@ def checkout(rev: str, work: Path) -> tuple[str, Path]:
     return sha, src
 
 
+def allocator(src: Path, env) -> str:
+    """How the command's glibc allocator ran: the commit's own tuning (eaglenest.utils.keep_freed_heap,
+    from its entry point on) unless the environment overrides it, or glibc's defaults."""
+    if any(k.startswith("MALLOC_") for k in env):
+        return "kept (MALLOC_* in the environment)"
+    if env.get("EAGLENEST_SYSTEM_MALLOC") == "1":
+        return "glibc defaults (EAGLENEST_SYSTEM_MALLOC=1)"
+    return "kept (keep_freed_heap)" if "def keep_freed_heap" in (src / "eaglenest" / "utils.py").read_text() else "glibc defaults"
+
+
 def cpu_facts() -> dict:
     info = Path("/proc/cpuinfo").read_text()
     flags = re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split()
@@ -296,7 +306,7 @@ def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0) -> int:
     from bench.common import machine
 
     rec = {
-        "label": label, "rev": args.rev, "commit": sha, "started": started, "command": " ".join(cmd),
+        "label": label, "rev": args.rev, "commit": sha, "allocator": allocator(src, os.environ), "started": started, "command": " ".join(cmd),
         "note": args.note, "stopped_after": stopped,
         "cpu": cpu_facts(), "machine": machine(),
         "stage_seconds": demo_s,  # the demo's own timings (what `make demo` prints)
@@ -366,6 +376,7 @@ def probe(args) -> int:
         print(f"[demo_time] probe exited with {rc}; log {work / (label + '.log')}", file=sys.stderr)
         return 1
     rec = {"kind": "probe", "label": label, "stage": args.stage, "rev": args.rev, "commit": sha, "env": extra_env,
+           "allocator": allocator(src, env),
            "flags": args.flag, "command": " ".join(cmd), "note": args.note, "cpu": cpu_facts(),
            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_seconds": round(wall, 1), **watched}
     if args.stage == "capture":
@@ -396,6 +407,9 @@ def collect(args) -> int:
     from bench.common import write_result
 
     recs = [json.loads((work_root() / "runs" / f"{lab}.json").read_text()) for lab in args.labels]
+    for r in recs:  # records written before the field existed: derived from the same commit's tree
+        if "allocator" not in r:
+            r["allocator"] = allocator(checkout(r["commit"], work_root())[1], r.get("env", {}))
     models = {r["cpu"]["cpu_model"] for r in recs}
     if len(models) != 1:
         raise SystemExit(f"runs from different CPUs ({sorted(models)}): collect compares one machine's runs")

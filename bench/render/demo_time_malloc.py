@@ -9,10 +9,35 @@ FILES = ["demo_time_malloc.json"]
 
 
 def _probe_row(p: dict) -> str:
-    how = "heap kept (`MALLOC_*` as `keep_freed_heap` sets them)" if p["env"] else "glibc defaults"
-    rate = f"{p['tokens_per_s']:,.0f} tok/s" if p["stage"] == "capture" else f"{p['final_tokens_per_s']:,.0f} tok/s ({p['steps']} steps)"
-    return (f"| {p['label']} | {p['stage']} | `{p['commit'][:7]}` | {how} | {p['wall_seconds']:.1f} s | {rate} | "
+    if p["stage"] == "capture":
+        rate = f"{p['tokens_per_s']:,.0f} tok/s"
+    elif p["stage"] == "train":
+        rate = f"{p['final_tokens_per_s']:,.0f} tok/s ({p['steps']} steps)"
+    else:
+        rate = (f"{p['spec_tokens_per_s']:.1f} / {p['baseline_tokens_per_s']:.1f} tok/s speculative / plain, "
+                f"τ {p['tau']:.3f} ({p['n_prompts']} prompts)")
+    return (f"| {p['label']} | {p['stage']} | `{p['commit'][:7]}` | {p['allocator']} | {p['wall_seconds']:.1f} s | {rate} | "
             f"{p['cpu_s']:.0f} s | {p['other_cpu_s']:.0f} s | {p['peak_rss_mb'] / 1024:.1f} GB |")
+
+
+def _kept(p: dict) -> bool:
+    return p["allocator"].startswith("kept")
+
+
+def pairs(probes: list[dict]) -> dict[str, list[float]]:
+    """Per stage, the wall-time change (%) of kept vs glibc defaults over adjacent probes of the same
+    stage that differ in the allocator (each probe in one pair at most; order as run)."""
+    out: dict[str, list[float]] = {}
+    i = 0
+    while i + 1 < len(probes):
+        a, b = probes[i], probes[i + 1]
+        if a["stage"] == b["stage"] and _kept(a) != _kept(b):
+            kept, dflt = (a, b) if _kept(a) else (b, a)
+            out.setdefault(a["stage"], []).append(100 * (kept["wall_seconds"] - dflt["wall_seconds"]) / dflt["wall_seconds"])
+            i += 2
+        else:
+            i += 1
+    return out
 
 
 def render(results: dict[str, dict]) -> str:
@@ -20,10 +45,14 @@ def render(results: dict[str, dict]) -> str:
     cpu = r["cpu"]
     out = [f"CPU: {cpu['cpu_model']} ({cpu_kind(cpu)}), {cpu['cores']} cores, one session, one command at a time "
            f"(`bench/results/demo_time_malloc.json`). Stage probes, run in the order listed (capture: the demo's first "
-           f"150 conversations; train: the demo recipe's first steps on the demo's store, one held-out evaluation):", "",
+           f"150 conversations; train: the demo recipe's first steps on the demo's store, one held-out evaluation; eval: "
+           f"the first MT-bench prompts, each decoded speculatively and plainly, with the full demo's draft):", "",
            "| probe | stage | commit | allocator | wall | rate | CPU time | other work meanwhile (CPU) | peak RSS |",
            "|---|---|---|---|---:|---:|---:|---:|---:|"]
     out += [_probe_row(p) for p in r["probes"]]
+    ch = pairs(r["probes"])
+    out += ["", "Wall time with the heap kept vs glibc's defaults, adjacent pairs: " + "; ".join(
+        f"{stage} " + ", ".join(f"{x:+.1f} %" for x in xs) for stage, xs in ch.items()) + "."]
     if r["runs"]:
         out += ["", "The full demo with the allocator kept (`make demo`'s preset), per stage:", "", *demo_table(r["runs"])]
     if r["note"]:
