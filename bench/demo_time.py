@@ -174,8 +174,8 @@ def checkout(rev: str, work: Path) -> tuple[str, Path]:
 def allocator(src: Path, env) -> str:
     """How the command's glibc allocator ran: the commit's own tuning (eaglenest.utils.keep_freed_heap,
     from its entry point on) unless the environment overrides it, or glibc's defaults."""
-    if any(k.startswith("MALLOC_") for k in env):
-        return "kept (MALLOC_* in the environment)"
+    if any(k.startswith("MALLOC_") for k in env):  # glibc's own variables: kept only if they say what keep_freed_heap does
+        return "kept (MALLOC_* in the environment)" if env.get("MALLOC_MMAP_MAX_") == "0" else "the environment's MALLOC_*"
     if env.get("EAGLENEST_SYSTEM_MALLOC") == "1":
         return "glibc defaults (EAGLENEST_SYSTEM_MALLOC=1)"
     return "kept (keep_freed_heap)" if "def keep_freed_heap" in (src / "eaglenest" / "utils.py").read_text() else "glibc defaults"
@@ -245,14 +245,14 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below ends the demo too
     p = subprocess.Popen(cmd, cwd=src, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
     try:
-        return _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0)
+        return _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0, allocator(src, env))
     finally:
         if p.poll() is None:  # this script was stopped: the demo (its own session) must not run on
             os.killpg(p.pid, signal.SIGTERM)
             p.wait()
 
 
-def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0) -> int:
+def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0, alloc: str) -> int:
     w = Watch(p.pid)
     demo_s, stopped, tail = {}, None, []
     stop_after = set(args.stages.split(",")) if args.stages else None
@@ -306,7 +306,7 @@ def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0) -> int:
     from bench.common import machine
 
     rec = {
-        "label": label, "rev": args.rev, "commit": sha, "allocator": allocator(src, os.environ), "started": started, "command": " ".join(cmd),
+        "label": label, "rev": args.rev, "commit": sha, "allocator": alloc, "started": started, "command": " ".join(cmd),
         "note": args.note, "stopped_after": stopped,
         "cpu": cpu_facts(), "machine": machine(),
         "stage_seconds": demo_s,  # the demo's own timings (what `make demo` prints)
