@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(_glibc() is None, reason="glibc only (the tuning
 # `cli` goes through eaglenest's real process entry (`python -m eaglenest`, a command that fails
 # fast), then counts the minor page faults of ten 64 MiB allocate / fill / free rounds after a first one
 CODE = """
-import resource, runpy, sys, torch
+import ctypes, resource, runpy, sys, torch
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: faults count 4 KiB pages whatever the machine's THP setting
 if sys.argv[1] == "cli":
     sys.argv = ["eaglenest", "features", "info", "/nonexistent-store"]
     try:
