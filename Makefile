@@ -10,6 +10,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEMO_OUT ?= demo-out
 PYTEST_ARGS ?=
+# two pytest-xdist workers (tests/conftest.py: which tests share one, threads and vLLM core per worker)
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: env vllm-env sglang-env test test-fast demo demo-quick clean
 
@@ -33,10 +36,10 @@ sglang-env:
 
 test: env vllm-env sglang-env
 	$(PY) -m eaglenest model fetch smollm2
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 test-fast: env
-	$(PY) -m pytest -q -ra -m "not slow and not vllm and not sglang" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow and not vllm and not sglang" $(PYTEST_ARGS)
 
 demo: env
 	$(PY) -m eaglenest demo --out $(DEMO_OUT)

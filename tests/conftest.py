@@ -11,6 +11,40 @@ import pytest
 os.environ.setdefault("EAGLENEST_NO_PROGRESS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# `make test` runs two pytest-xdist workers.  Each gets its share of the cores (two OpenMP pools of
+# all cores on one machine spin against each other), set before anything imports torch, and its
+# own core for vLLM's CPU worker (vLLM binds it to a fixed core by default, the same for every server).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(_cpus) // _n)))
+    _i = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cpus[_i % len(_cpus)]))
+
+
+def _xdist_group(item) -> str:
+    """Which tests share a worker (`--dist loadgroup`): a file's tests (its module fixtures, e.g. a
+    served model, are built once), the SGLang live tests (a server at TP 2 takes both cores), and the
+    quick demo's users (built once per worker)."""
+    if "quick_demo" in getattr(item, "fixturenames", ()):
+        return "quick_demo"
+    if item.get_closest_marker("sglang"):
+        return "sglang"
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    groups = {id(it): _xdist_group(it) for it in items}
+    for it in items:
+        it.add_marker(pytest.mark.xdist_group(groups[id(it)]))
+    # the longest groups first (--no-loadscope-reorder keeps this order): they start at once, one per
+    # worker, and the short files fill in around them
+    first = ("quick_demo", "sglang")
+    items.sort(key=lambda it: first.index(groups[id(it)]) if groups[id(it)] in first else len(first))
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
