@@ -190,13 +190,15 @@ def test_sigkill_at_several_points_then_resume_reproduces_losses(tiny_llama_dir,
     log = run / "metrics.jsonl"
     kills = []
     for i, at_lines in enumerate((2, 5, 9)):  # kill once the log holds this many steps
-        p = subprocess.Popen(argv + (["--resume"] if i else []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        err = tmp_path / f"stderr-{i}.txt"
+        with err.open("wb") as ef:
+            p = subprocess.Popen(argv + (["--resume"] if i else []), stdout=subprocess.DEVNULL, stderr=ef)
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
             if log.exists() and len(log.read_bytes().splitlines()) >= at_lines:
                 break
             time.sleep(0.002)
-        assert p.poll() is None, "the run finished before it could be killed"
+        assert p.poll() is None, f"run {i} ended (exit {p.returncode}) before it could be killed: {err.read_text()[-2000:]}"
         p.send_signal(signal.SIGKILL)
         p.wait()
         latest = run / "checkpoints" / "latest.json"
@@ -206,7 +208,7 @@ def test_sigkill_at_several_points_then_resume_reproduces_losses(tiny_llama_dir,
     a, b = losses(full), losses(run)
     assert len(b) == 12 and [json.loads(x)["step"] for x in log.read_text().splitlines()] == list(range(1, 13))
     assert a == pytest.approx(b, rel=1e-6, abs=1e-7), kills
-    assert kills[-1][1] >= 4, kills  # the kills really landed mid-run, after some checkpoints
+    assert kills[-1][1] >= 4, (kills, [(tmp_path / f"stderr-{i}.txt").read_text()[-1000:] for i in range(3)])  # the kills landed mid-run, after some checkpoints
     assert not list((run / "checkpoints").glob("*.partial"))  # a checkpoint torn by a kill is rewritten on resume
     print("kills (log lines, checkpoint step):", kills)
 
