@@ -12,7 +12,7 @@ DEMO_OUT ?= demo-out
 PYTEST_ARGS ?=
 # two pytest-xdist workers (tests/conftest.py: which tests share one, threads and vLLM core per worker)
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: env vllm-env sglang-env test test-fast demo demo-quick clean
 

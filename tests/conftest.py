@@ -22,28 +22,47 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cpus[_i % len(_cpus)]))
 
 
-def _xdist_group(item) -> str:
-    """Which tests share a worker (`--dist loadgroup`): a file's tests (its module fixtures, e.g. a
-    served model, are built once), the SGLang live tests (a server at TP 2 takes both cores), and the
-    quick demo's users (built once per worker)."""
-    if "quick_demo" in getattr(item, "fixturenames", ()):
-        return "quick_demo"
-    if item.get_closest_marker("sglang"):
-        return "sglang"
-    return item.nodeid.split("::")[0]
+# Which tests share a worker (`--dist loadfile`, widened below): a file's tests (module fixtures such
+# as a served model are built once), the SGLang live files (a server at TP 2 takes both cores) and
+# the quick demo's users (built once per worker).  xdist's own `loadgroup` marks do not group under
+# pytest 9 (checked: a marked group ran on both workers), so the scheduler is given the groups.
+XDIST_GROUPS = {
+    "tests/test_demo.py": "quick_demo",
+    "tests/test_vllm_live_eval.py": "quick_demo",
+    "tests/test_sglang_live.py": "sglang",
+    "tests/test_sglang_live_deepseek.py": "sglang",
+    "tests/test_sglang_live_serve.py": "sglang",
+}
+XDIST_FIRST = ("quick_demo", "sglang")  # the longest groups: they start at once, one per worker
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def _xdist_scope(nodeid: str) -> str:
+    f = nodeid.split("::", 1)[0]
+    return XDIST_GROUPS.get(f, f)
+
+
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist the hook does not exist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", "no") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Grouped(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_scope(nodeid)
+
+    return Grouped(config, log)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
+    """In xdist's workers (which collect, each the same list): the longest groups first, so that the
+    scheduler (given the tests in this order, --no-loadscope-reorder) starts them at once and the
+    short files fill in around them."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    groups = {id(it): _xdist_group(it) for it in items}
-    for it in items:
-        it.add_marker(pytest.mark.xdist_group(groups[id(it)]))
-    # the longest groups first (--no-loadscope-reorder keeps this order): they start at once, one per
-    # worker, and the short files fill in around them
-    first = ("quick_demo", "sglang")
-    items.sort(key=lambda it: first.index(groups[id(it)]) if groups[id(it)] in first else len(first))
+    rank = lambda it: XDIST_FIRST.index(s) if (s := _xdist_scope(it.nodeid)) in XDIST_FIRST else len(XDIST_FIRST)  # noqa: E731
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")
