@@ -233,11 +233,16 @@ def keep_freed_heap() -> bool:
     return all(libc.mallopt(p, v) == 1 for p, v in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 34), (_M_TOP_PAD, 1 << 28)))
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the OS has one, e.g. not on macOS)."""
+def usable_cpu_ids() -> list[int]:
+    """Ids of the CPUs this process may run on (its affinity where the OS has one, e.g. not on macOS)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (usable_cpu_ids)."""
+    return len(usable_cpu_ids())
 
 
 def cpu_has_fast_bf16() -> bool:

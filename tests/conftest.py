@@ -15,8 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # all cores on one machine spin against each other), set before anything imports torch, and its
 # own core for vLLM's CPU worker (vLLM binds it to a fixed core by default, the same for every server).
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    from eaglenest.utils import usable_cpu_ids  # import-light: no torch yet
+
     _n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    _cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    _cpus = usable_cpu_ids()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(_cpus) // _n)))
     _i = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cpus[_i % len(_cpus)]))
