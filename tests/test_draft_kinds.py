@@ -2,7 +2,7 @@
 
 * The TTT loss and gradients of every kind equal a slow reference written out by hand (the aux
   norms, MLA's latent attention per head with its interleaved rope, the fed-back state norm(h)).
-* The training kernels take values narrower than queries/keys (MLA): chunked and flex == eager.
+* The training kernels take values narrower than queries/keys (MLA): chunked, sdpa and flex == eager.
 * MLA's decoding path over its latent cache equals its training path.
 * The export writes exactly what each engine's loader reads (names, shapes, config keys) and
   check-draft refuses flags and weights that disagree, or a served flag that is not the trained one.
@@ -177,8 +177,8 @@ def test_norm_output_changes_what_the_next_step_reads():
 
 @pytest.mark.parametrize("kind", ["mla", "mla-noq-31"])
 def test_kernels_take_values_of_another_width(kind):
-    """MLA's values (v_head_dim) are not its keys' width (nope + rope): the chunked kernel's loss
-    and gradients and flex's forward equal the eager reference."""
+    """MLA's values (v_head_dim) are not its keys' width (nope + rope): the chunked and sdpa kernels'
+    loss and gradients and flex's forward equal the eager reference."""
     d = tiny(KINDS[kind], rope=YARN)
     b = make_batch(d, [21, 13])
     ids, mask, aux, tlogp, targ = b
@@ -187,10 +187,12 @@ def test_kernels_take_values_of_another_width(kind):
         loss, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3), attn_impl=impl)
         return loss, torch.autograd.grad(loss, list(d.parameters()))
 
-    (le, ge), (lc, gc) = run("eager"), run(kernels.ChunkedCausal(chunk_elems=64))
-    assert torch.allclose(le, lc, rtol=1e-10)
-    for x, y in zip(ge, gc):
-        assert torch.allclose(x, y, rtol=1e-7, atol=1e-11)
+    le, ge = run("eager")
+    for kern in (kernels.ChunkedCausal(chunk_elems=64), kernels.SdpaCausal()):
+        lc, gc = run(kern)
+        assert torch.allclose(le, lc, rtol=1e-10), kern.name
+        for x, y in zip(ge, gc):
+            assert torch.allclose(x, y, rtol=1e-7, atol=1e-11), kern.name
     with torch.no_grad():  # flex has no CPU backward; its forward runs eager here
         lf, _ = ttt_forward(d, ids, aux, TeacherRows.from_probs(tlogp.exp(), targ), mask, 3, denominators(mask, 3), attn_impl=kernels.FlexCausal(compile=False))
     assert torch.allclose(le.detach(), lf, rtol=1e-10)

@@ -1,4 +1,4 @@
-"""The fast attention paths (chunked online-softmax, flex) compute the same TTT loss and gradients
+"""The fast attention paths (chunked online-softmax, torch's CPU flash kernel, flex) compute the same TTT loss and gradients
 as the plain reference path; layer recompute changes nothing; the loss keeps no [T, V] copies."""
 
 import math
@@ -57,7 +57,10 @@ def loss_and_grads(d, b, ttt, **kw):
     [(4, 2, [23, 17], 3), (8, 2, [40], 4), (4, 4, [9, 31, 20], 3), (2, 1, [33], 5)],
 )
 @pytest.mark.parametrize("recompute", [False, True])
-def test_chunked_equals_eager_loss_and_grads(n_head, n_kv, lengths, ttt, recompute):
+@pytest.mark.parametrize("impl", ["chunked", "sdpa"])
+def test_fast_kernels_equal_eager_loss_and_grads(n_head, n_kv, lengths, ttt, recompute, impl):
+    """fp64: the chunked kernel and torch's CPU flash kernel (sdpa, whose lse gradient eaglenest adds)
+    give the eager reference's loss and gradients, diagonal merges of TTT steps > 0 included."""
     d = draft(n_head=n_head, n_kv=n_kv)
     b = batch(d, lengths)
     ref, g_ref, s_ref = loss_and_grads(d, b, ttt)
@@ -65,7 +68,7 @@ def test_chunked_equals_eager_loss_and_grads(n_head, n_kv, lengths, ttt, recompu
     orig = kernels.chunk_rows
     kernels.chunk_rows = lambda n_kv, g, T, budget: 7
     try:
-        fast, g_fast, s_fast = loss_and_grads(d, b, ttt, attn_impl="chunked", recompute=recompute)
+        fast, g_fast, s_fast = loss_and_grads(d, b, ttt, attn_impl=impl, recompute=recompute)
     finally:
         kernels.chunk_rows = orig
     assert torch.allclose(fast, ref, rtol=1e-10, atol=1e-12), (fast, ref)
@@ -75,20 +78,21 @@ def test_chunked_equals_eager_loss_and_grads(n_head, n_kv, lengths, ttt, recompu
         assert s_fast[k] == pytest.approx(s_ref[k], rel=1e-9)
 
 
-def test_chunked_fp32_and_bf16_autocast_within_tolerance():
+@pytest.mark.parametrize("impl", ["chunked", "sdpa"])
+def test_fast_kernels_fp32_and_bf16_autocast_within_tolerance(impl):
     d = draft(n_head=8, n_kv=2, hd=16, H=64, dtype=torch.float64)
     b64 = batch(d, [48, 30])
     ref, g_ref, _ = loss_and_grads(d, b64, 3)
     d32 = d.float()
     b32 = tuple(x.float() if x.is_floating_point() else x for x in b64)
-    fast, g_fast, _ = loss_and_grads(d32, b32, 3, attn_impl="chunked", recompute=True)
+    fast, g_fast, _ = loss_and_grads(d32, b32, 3, attn_impl=impl, recompute=True)
     fast, ref = float(fast.detach()), float(ref.detach())
     assert abs(fast - ref) < 1e-5 * abs(ref)
     for a, r in zip(g_fast, g_ref):
         assert (a.double() - r).norm() <= 1e-4 * r.norm() + 1e-9
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the CUDA recipe's dtypes, on the CPU
         eag, _, _ = loss_and_grads(d32, b32, 3)
-        fb, _, _ = loss_and_grads(d32, b32, 3, attn_impl="chunked")
+        fb, _, _ = loss_and_grads(d32, b32, 3, attn_impl=impl)
     assert abs(float(fb.detach()) - float(eag.detach())) < 2e-2 * abs(float(eag.detach()))
 
 
@@ -111,13 +115,16 @@ def test_causal_block_mask_matches_create_block_mask():
         assert torch.equal(causal_block_mask(T, "cpu").to_dense(), ref.to_dense())
 
 
-def test_chunked_kernel_lse_gradient():
-    """(out, lse) of the chunked kernel, with a gradient through lse (the merge needs it)."""
+@pytest.mark.parametrize("impl", ["chunked", "sdpa"])
+@pytest.mark.parametrize("vd", [8, 5, 11])
+def test_fast_kernel_lse_gradient(impl, vd):
+    """(out, lse) of the chunked and sdpa kernels, with a gradient through lse (the merge needs it;
+    torch's flash kernel takes none itself), values as wide as the keys or not (MLA)."""
     torch.manual_seed(0)
     B, kv, g, T, hd = 2, 2, 3, 29, 8
     q = torch.randn(B, kv, g, T, hd, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, kv, T, hd, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(B, kv, T, hd, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, kv, T, vd, dtype=torch.float64, requires_grad=True)
     sc = 1 / math.sqrt(hd)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
 
@@ -126,12 +133,21 @@ def test_chunked_kernel_lse_gradient():
         return torch.softmax(s, -1) @ v.unsqueeze(2), s.logsumexp(-1)
 
     def f(out, lse):
-        return (out * torch.linspace(-1, 1, hd, dtype=torch.float64)).sum() + (lse * lse).sum()
+        return (out * torch.linspace(-1, 1, vd, dtype=torch.float64)).sum() + (lse * lse).sum()
 
     gr = torch.autograd.grad(f(*ref()), (q, k, v))
-    gf = torch.autograd.grad(f(*causal_attention_lse(q, k, v, sc, "chunked", chunk_elems=100)), (q, k, v))
+    got = causal_attention_lse(q, k, v, sc, impl, chunk_elems=100)
+    assert got[1].dtype == torch.float64  # >= fp32, never narrowed
+    torch.testing.assert_close(got[0], ref()[0], rtol=1e-10, atol=1e-12)
+    gf = torch.autograd.grad(f(*got), (q, k, v))
     for a, b in zip(gf, gr):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_sdpa_is_the_cpu_default_and_refused_elsewhere():
+    assert kernels.default_attn_impl("cpu") == "sdpa" and kernels.default_attn_impl("cuda") == "flex"
+    with pytest.raises(ValueError, match="CPU kernel"):
+        kernels.causal_kernel("sdpa", "cuda")
 
 
 def test_decoding_path_equals_training_path_on_a_whole_sequence():

@@ -10,6 +10,9 @@ so K/V are never repeated per query head.  Values may be narrower or wider than 
     training-time-test steps are merged exactly afterwards (`merge_diagonal`):
       - `ChunkedCausal`: flash-style in plain torch (query chunks, online log-sum-exp, a
         hand-written backward that recomputes scores): no more than [chunk, T] scores exist;
+      - `SdpaCausal`: torch's fused CPU flash kernel (the CPU default: ~13 % off the demo's
+        training step against eager, bench/results/train_attn_cpu.json), with the lse gradient the
+        kernel itself does not take added exactly in its backward;
       - `FlexCausal`: `torch.nn.attention.flex_attention` with a causal block mask, compiled on
         CUDA.  Lengths are padded up to a multiple of the block size and the kernel is compiled
         with dynamic shapes, so a run of many lengths and batch sizes compiles a handful of
@@ -24,12 +27,12 @@ from collections import OrderedDict
 
 import torch
 
-ATTN_IMPLS = ("eager", "chunked", "flex")
+ATTN_IMPLS = ("eager", "chunked", "flex", "sdpa")
 
 
 def default_attn_impl(device) -> str:
-    """flex on CUDA (compiled flash-style kernel), the materializing reference elsewhere."""
-    return "flex" if torch.device(device).type == "cuda" else "eager"
+    """flex on CUDA (compiled flash-style kernel), torch's fused flash kernel on the CPU."""
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
 # --- the reference: materialized scores ---------------------------------------------------------
@@ -174,6 +177,63 @@ class ChunkedCausal:
         return _ChunkedCausalFn.apply(q, k, v, scale, chunk_rows(n_kv, g, T, budget))
 
 
+# --- torch's fused CPU flash kernel ------------------------------------------------------------
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+class _SdpaCausalFn(torch.autograd.Function):
+    """Causal GQA attention returning (out, lse) on aten's CPU flash kernel and its backward.
+
+    The kernel wants one head width for q, k and v and the same number of heads: K/V are repeated per
+    query head, and the narrower side is padded with zero columns (zeros in q and k leave the scores
+    alone; zero value columns give zero outputs, cut off).  Its lse output carries no gradient in
+    torch, and the merge of the diagonal keys needs one: the backward computes dS = P (dP - D) with
+    D = rowsum(dO * O) from the O it is handed, so one more value column with O = -dlse and dO = 1
+    makes it P (dP - D + dlse), the exact lse term (q, k, v get a zero column there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        B, n_kv, g, T, hd = q.shape
+        vd = v.shape[-1]
+        w = max(hd, vd)
+        qh = _pad_last(q.reshape(B, n_kv * g, T, hd), w)
+        kh, vh = (_pad_last(x.repeat_interleave(g, dim=1) if g > 1 else x, w) for x in (k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, True, scale=scale)
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.scale, ctx.dims = scale, (B, n_kv, g, T, hd, vd)
+        return out[..., :vd].reshape(B, n_kv, g, T, vd), lse.reshape(B, n_kv, g, T)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        B, n_kv, g, T, hd, vd = ctx.dims
+        w = out.shape[-1]
+        dout = out.new_zeros(B, n_kv * g, T, w) if dout is None else _pad_last(dout.reshape(B, n_kv * g, T, vd), w)
+        if dlse is not None:
+            qh, kh, vh = (_pad_last(x, w + 1) for x in (qh, kh, vh))
+            out = torch.cat([out, (-dlse.reshape(lse.shape)).to(out.dtype)[..., None]], -1)
+            dout = torch.cat([dout, torch.ones_like(dout[..., :1])], -1)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale)
+        dq, dk, dv = dq[..., :hd], dk[..., :hd], dv[..., :vd]
+        if g > 1:  # the repeated K/V heads: their gradients add up
+            dk, dv = dk.reshape(B, n_kv, g, T, hd).sum(2), dv.reshape(B, n_kv, g, T, vd).sum(2)
+        return dq.reshape(B, n_kv, g, T, hd), dk, dv, None
+
+
+class SdpaCausal:
+    """Causal kernel on torch's fused CPU flash attention: q [B, kv, g, T, hd], k [B, kv, T, hd],
+    v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32).  CPU only (flex is CUDA's)."""
+
+    name = "sdpa"
+
+    def __call__(self, q, k, v, scale: float):
+        if q.device.type != "cpu":
+            raise ValueError(f"attn_impl sdpa is the CPU kernel (got a {q.device.type} tensor): use flex or chunked")
+        return _SdpaCausalFn.apply(q, k, v, scale)  # the kernel's lse is fp32 for bf16 inputs, fp64 for fp64
+
+
 # --- flex attention ----------------------------------------------------------------------------
 def _causal_mask_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
@@ -263,6 +323,10 @@ def causal_kernel(impl: str, device=None):
         return ChunkedCausal()
     if impl == "flex":
         return FlexCausal()
+    if impl == "sdpa":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError("attn_impl sdpa is the CPU kernel: use flex or chunked on CUDA")
+        return SdpaCausal()
     raise ValueError(f"attn_impl must be one of {ATTN_IMPLS} (got {impl!r})")
 
 
@@ -272,5 +336,5 @@ def causal_attention_lse(q, k, v, scale: float, impl: str, chunk_elems: int | No
         return ChunkedCausal(chunk_elems)(q, k, v, scale)
     kern = causal_kernel(impl)
     if kern is None:
-        raise ValueError(f"attn_impl must be chunked or flex for (out, lse) (got {impl!r})")
+        raise ValueError(f"attn_impl must be chunked, flex or sdpa for (out, lse) (got {impl!r})")
     return kern(q, k, v, scale)

@@ -179,6 +179,8 @@ class Trainer:
         self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
+        if self.attn_impl == "sdpa" and self.device_type != "cpu":
+            raise EaglenestError("--attn-impl sdpa is the CPU kernel (torch's fused CPU flash attention): use flex or chunked on CUDA")
         self.attn = causal_kernel(self.attn_impl, self.device)  # flex keeps its compiled function and masks here
 
         # data: order (Schedule) and this rank's reads (StoreSource) or captures (OnlineSource)

@@ -174,7 +174,7 @@ def ttt_forward(
     `want_alpha` or a loss that computes it, also the sums of alpha and of p(draft argmax), see
     losses.chunk_loss, over the counted tokens).
 
-    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked" or "flex", or a kernel
+    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked", "flex" or "sdpa", or a kernel
     object from eaglenest.draft.kernels.causal_kernel (the trainer keeps one: flex's compiled
     function and block masks live on it); recompute: run each draft step under activation
     checkpointing (keeps ~its inputs, K/V and output per step instead of every intermediate)."""
