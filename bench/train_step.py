@@ -421,7 +421,7 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--attn-impl", default="auto", help="ours: flex (CUDA default) | chunked (CPU default) | eager")
+    ap.add_argument("--attn-impl", default="auto", help="ours: flex (CUDA default) | sdpa (CPU bf16 default) | chunked | eager")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "layer"])
     ap.add_argument("--logits-chunk", type=int, default=0, help="0: 4096 on CUDA, 1024 on CPU")
     ap.add_argument("--compare-eager", action="store_true", help="also run ours with attn eager (the reference path)")

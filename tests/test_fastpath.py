@@ -144,8 +144,9 @@ def test_fast_kernel_lse_gradient(impl, vd):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_sdpa_is_the_cpu_default_and_refused_elsewhere():
-    assert kernels.default_attn_impl("cpu") == "sdpa" and kernels.default_attn_impl("cuda") == "flex"
+def test_sdpa_is_the_cpu_bf16_default_and_refused_elsewhere():
+    assert kernels.default_attn_impl("cpu", autocast=True) == "sdpa" and kernels.default_attn_impl("cpu") == "eager"
+    assert kernels.default_attn_impl("cuda") == "flex" == kernels.default_attn_impl("cuda", autocast=True)
     with pytest.raises(ValueError, match="CPU kernel"):
         kernels.causal_kernel("sdpa", "cuda")
 

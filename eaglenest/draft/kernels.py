@@ -10,9 +10,9 @@ so K/V are never repeated per query head.  Values may be narrower or wider than 
     training-time-test steps are merged exactly afterwards (`merge_diagonal`):
       - `ChunkedCausal`: flash-style in plain torch (query chunks, online log-sum-exp, a
         hand-written backward that recomputes scores): no more than [chunk, T] scores exist;
-      - `SdpaCausal`: torch's fused CPU flash kernel (the CPU default: ~13 % off the demo's
-        training step against eager, bench/results/train_attn_cpu.json), with the lse gradient the
-        kernel itself does not take added exactly in its backward;
+      - `SdpaCausal`: torch's fused CPU flash kernel (the CPU default under bf16 autocast: faster
+        than eager in the demo's training step, bench/results/train_attn_cpu.json), with the lse
+        gradient the kernel itself does not take added exactly in its backward;
       - `FlexCausal`: `torch.nn.attention.flex_attention` with a causal block mask, compiled on
         CUDA.  Lengths are padded up to a multiple of the block size and the kernel is compiled
         with dynamic shapes, so a run of many lengths and batch sizes compiles a handful of
@@ -30,9 +30,13 @@ import torch
 ATTN_IMPLS = ("eager", "chunked", "flex", "sdpa")
 
 
-def default_attn_impl(device) -> str:
-    """flex on CUDA (compiled flash-style kernel), torch's fused flash kernel on the CPU."""
-    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+def default_attn_impl(device, autocast: bool = False) -> str:
+    """flex on CUDA (compiled flash-style kernel); on the CPU torch's fused flash kernel under bf16
+    autocast (the demo's recipe, where it was measured: bench/results/train_attn_cpu.json), the
+    materializing reference in fp32 (CPUs without bf16 matrix instructions, the tests' tiny drafts)."""
+    if torch.device(device).type == "cuda":
+        return "flex"
+    return "sdpa" if autocast else "eager"
 
 
 # --- the reference: materialized scores ---------------------------------------------------------

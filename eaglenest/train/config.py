@@ -93,8 +93,9 @@ class TrainConfig:
     resume: bool = option(False, "continue from RUN_DIR's latest checkpoint (refused if the data order or the model would change)")
     overwrite: bool = option(False, "start over in a RUN_DIR that holds checkpoints (deletes them and metrics.jsonl)")
     log_every: int = option(1, "steps per metrics line")
-    attn_impl: str = option("auto", "TTT attention: auto = flex on CUDA, sdpa (torch's fused flash kernel) on CPU; eager = the "
-                            "materializing reference; chunked = flash-style in plain torch (all compute the same function)", choices=ATTN_CHOICES)
+    attn_impl: str = option("auto", "TTT attention: auto = flex on CUDA; on a CPU sdpa (torch's fused flash kernel) under bf16 "
+                            "autocast, else eager (the materializing reference); chunked = flash-style in plain torch (all "
+                            "compute the same function)", choices=ATTN_CHOICES)
     recompute: str = option("auto", "activation checkpointing of each TTT step (auto: on CUDA when activations would not fit)",
                             choices=["auto", "none", "layer"])
     logits_chunk: int = option(0, "rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)")

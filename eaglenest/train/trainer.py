@@ -176,7 +176,7 @@ class Trainer:
         self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
             head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
             bf16=self.autocast).to(self.device)
-        self.attn_impl = default_attn_impl(self.device) if cfg.attn_impl == "auto" else cfg.attn_impl
+        self.attn_impl = default_attn_impl(self.device, self.autocast) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
         if self.attn_impl == "sdpa" and self.device_type != "cpu":
