@@ -43,6 +43,14 @@ def cpu_kind(cpu: dict) -> str:
     return "with AMX" if cpu["amx"] else ("AVX-512 BF16, no AMX" if cpu["avx512_bf16"] else "no bf16 instructions")
 
 
+def demo_block(r: dict, file: str, how: str, note: bool = True) -> list[str]:
+    """A demo_time.py `collect` file's full runs: 'CPU: ... ; HOW (`bench/results/FILE`).', the table[, the note]."""
+    cpu = r["cpu"]
+    out = [f"CPU: {cpu['cpu_model']} ({cpu_kind(cpu)}), {cpu['cores']} cores; {how} (`bench/results/{file}`).", "",
+           *demo_table(r["runs"])]
+    return out + (["", r["note"]] if note and r["note"] else [])
+
+
 def demo_table(runs: list[dict]) -> list[str]:
     """The full demo per stage: one column per run (demo_time.py `run` records), one row per stage and figure."""
     head = "| | " + " | ".join(f"{x['label']} (`{x['commit'][:7]}`)" for x in runs) + " |"
