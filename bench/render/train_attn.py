@@ -13,7 +13,7 @@ def render(results: dict[str, dict]) -> str:
     others = [k for k in s if k != ref]
     parts = []
     for k in others:
-        per = ", ".join(f"{x:.2f}" for x in s[k]["step_time_vs_ref_per_round"])
+        per = ", ".join(f"{x:.2f}x" for x in s[k]["step_time_vs_ref_per_round"])
         parts.append(f"`{k}` takes {per} of `{ref}`'s step time (round by round; {s[k]['mean_seconds_per_step']:.2f} vs "
                      f"{s[ref]['mean_seconds_per_step']:.2f} s a step on average), losses within "
                      f"{100 * s[k]['loss_max_rel_diff_vs_ref']:.2f} % of `{ref}`'s over the same {r['steps_timed']} steps")
