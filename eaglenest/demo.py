@@ -28,7 +28,8 @@ PRESETS = {
         # conversations overfit), so: small batches (1024 tokens), as many conversations as the
         # budget holds (1,500), 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
-        # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), and the eval decodes in
+        # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), its TTT attention then in torch's
+        # fused flash kernel (bench/results/train_attn_cpu.json), and the eval decodes in
         # 2 processes (bench/results/eval_workers_cpu.json).
         "samples": 1500,
         "max_length": 512,
