@@ -228,13 +228,12 @@ class _SdpaCausalFn(torch.autograd.Function):
 
 class SdpaCausal:
     """Causal kernel on torch's fused CPU flash attention: q [B, kv, g, T, hd], k [B, kv, T, hd],
-    v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32).  CPU only (flex is CUDA's)."""
+    v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32).  CPU only (flex is CUDA's): causal_kernel
+    refuses it for another device."""
 
     name = "sdpa"
 
     def __call__(self, q, k, v, scale: float):
-        if q.device.type != "cpu":
-            raise ValueError(f"attn_impl sdpa is the CPU kernel (got a {q.device.type} tensor): use flex or chunked")
         return _SdpaCausalFn.apply(q, k, v, scale)  # the kernel's lse is fp32 for bf16 inputs, fp64 for fp64
 
 

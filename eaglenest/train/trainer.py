@@ -179,9 +179,10 @@ class Trainer:
         self.attn_impl = default_attn_impl(self.device, self.autocast) if cfg.attn_impl == "auto" else cfg.attn_impl
         if self.attn_impl not in ATTN_IMPLS:
             raise EaglenestError(f"--attn-impl must be auto or one of {', '.join(ATTN_IMPLS)} (got {cfg.attn_impl})")
-        if self.attn_impl == "sdpa" and self.device_type != "cpu":
-            raise EaglenestError("--attn-impl sdpa is the CPU kernel (torch's fused CPU flash attention): use flex or chunked on CUDA")
-        self.attn = causal_kernel(self.attn_impl, self.device)  # flex keeps its compiled function and masks here
+        try:
+            self.attn = causal_kernel(self.attn_impl, self.device)  # flex keeps its compiled function and masks here
+        except ValueError as e:  # a kernel this device cannot run (sdpa off the CPU): refused where kernels are made
+            raise EaglenestError(f"--attn-impl {self.attn_impl}: {e}") from None
 
         # data: order (Schedule) and this rank's reads (StoreSource) or captures (OnlineSource)
         train_idx, self.eval_idx = split(store, cfg.eval_fraction)
