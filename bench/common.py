@@ -35,6 +35,16 @@ def git_state() -> dict:
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
 
 
+def child_result(cmd: list[str], **kw) -> dict:
+    """Run one arm of a benchmark in a fresh interpreter (`cmd`, subprocess.run keywords in `kw`) and
+    return the dict it printed on its `RESULT {json}` line, or {"error": the end of its stderr}."""
+    import subprocess
+
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[0][7:]) if line else {"error": out.stderr[-2000:]}
+
+
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -117,7 +117,7 @@ def main() -> int:
         print("RESULT " + json.dumps(child(a.features, a.steps, a.dtype)))
         return 0
     sys.path[:0] = [str(HERE), str(ROOT)]
-    from common import write_result
+    from common import child_result, write_result
 
     if a.mode == "steps":
         res = interleaved(a.features, a.steps, a.dtype, a.base_rev)
@@ -140,9 +140,7 @@ def main() -> int:
             env = {**os.environ, "PYTHONPATH": trees[name], "EAGLENEST_NO_PROGRESS": "1"}
             load = os.getloadavg()[0]
             cmd = [sys.executable, __file__, "--features", a.features, "--steps", str(a.steps), "--dtype", a.dtype, "--child"]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/")
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            res = json.loads(line[0][7:]) if line else {"error": out.stderr[-2000:]}
+            res = child_result(cmd, env=env, cwd="/")
             res["loadavg_1m_before"] = round(load, 2)
             assert "error" in res or res["eaglenest"] == str(Path(trees[name]) / "eaglenest"), (name, res["eaglenest"])
             runs[name].append(res)

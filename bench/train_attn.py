@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,7 +58,7 @@ def main() -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a.features, a.child, a.steps, a.dtype)))
         return 0
-    from common import write_result
+    from common import child_result, write_result
 
     from eaglenest.utils import cpu_has_fast_bf16
 
@@ -69,12 +68,10 @@ def main() -> int:
     for r in range(a.rounds):
         runs = {}
         for impl in impls:
-            cmd = [sys.executable, __file__, "--features", a.features, "--steps", str(a.steps), "--child", impl, "--dtype", dtype]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if not line:
-                raise SystemExit(f"{impl} failed:\n{out.stderr[-3000:]}")
-            runs[impl] = json.loads(line[0][7:])
+            runs[impl] = child_result([sys.executable, __file__, "--features", a.features, "--steps", str(a.steps), "--child",
+                                       impl, "--dtype", dtype])
+            if "error" in runs[impl]:
+                raise SystemExit(f"{impl} failed:\n{runs[impl]['error']}")
             print(f"round {r + 1} {impl}: {runs[impl]['seconds_per_step']} s/step", flush=True)
         rounds.append(runs)
     ref = impls[0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,7 +78,7 @@ def main() -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a.features, a.child, a.steps, a.freeze_head, a.accuracy_steps)))
         return 0
-    from common import write_result
+    from common import child_result, write_result
 
     from eaglenest.utils import cpu_has_fast_bf16
 
@@ -89,9 +88,7 @@ def main() -> int:
                "--accuracy-steps", str(a.accuracy_steps)]
         if a.freeze_head:
             cmd.append("--freeze-head")
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        runs[dt] = json.loads(line[0][7:]) if line else {"error": out.stderr[-2000:]}
+        runs[dt] = child_result(cmd)
         print(dt, {k: v.get("tokens_per_s") for k, v in runs[dt].items() if isinstance(v, dict)})
     result = {"kind": "train_cpu_dtype", "recipe": "TTT 3, draft vocab 8192, 1024-token batches, lr 1e-3, "
               + ("frozen head" if a.freeze_head else "trained head"), "steps_per_phase": a.steps,
