@@ -30,7 +30,7 @@ PRESETS = {
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
         # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), its TTT attention then in torch's
         # fused flash kernel (bench/results/train_attn_cpu.json), and the eval decodes in
-        # 2 processes (bench/results/eval_workers_cpu.json).
+        # 2 processes (bench/results/eval_workers_cpu.json) through the gemv kernel (bench/results/eval_gemv_cpu.json).
         "samples": 1500,
         "max_length": 512,
         "ttt_steps": 3,
@@ -147,16 +147,7 @@ def _run(cfg, args) -> int:
     _stage("export", timings, lambda: _cli(["export", "--run", str(run), "--out", str(draft), "--model", model]))
     _stage("check-draft", timings, lambda: _cli(["check-draft", str(draft), "--model", model]))
     report_path = out / "report.json"
-    _stage(
-        "eval",
-        timings,
-        lambda: _cli([
-            "eval", "--model", model, "--draft", str(draft), "--out", str(report_path), "--bench", "mtbench",
-            "--limit", str(P["eval_limit"]), "--steps", "3", "--topk", "1", "--temperature", "0",
-            "--max-new-tokens", str(P["eval_max_new_tokens"]), "--device", cfg.device,
-            "--baseline-limit", str(P["baseline_limit"]), "--workers", str(_eval_workers(P["eval_workers"], cfg.device)),
-        ]),
-    )
+    _stage("eval", timings, lambda: _cli(eval_argv(P, model, draft, report_path, cfg.device)))
     total = round(time.time() - t0, 1)
     report = json.loads(report_path.read_text())
     report["demo"] = {"preset": preset_name, "recipe": P, "stage_seconds": timings, "total_seconds": total,
@@ -167,6 +158,16 @@ def _run(cfg, args) -> int:
     print(_table(report), flush=True)
     print(f"\nreport: {out / 'report.md'}  draft: {draft}", flush=True)
     return 0
+
+
+def eval_argv(P: dict, model: str, draft, report, device: str) -> list[str]:
+    """The demo's `eaglenest eval` (also what bench/eval_gemv.py times)."""
+    return [
+        "eval", "--model", model, "--draft", str(draft), "--out", str(report), "--bench", "mtbench",
+        "--limit", str(P["eval_limit"]), "--steps", "3", "--topk", "1", "--temperature", "0",
+        "--max-new-tokens", str(P["eval_max_new_tokens"]), "--device", device,
+        "--baseline-limit", str(P["baseline_limit"]), "--workers", str(_eval_workers(P["eval_workers"], device)),
+    ]
 
 
 def _train_dtype(preset: str, device: str) -> str:

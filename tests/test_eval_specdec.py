@@ -232,10 +232,11 @@ def test_num_draft_tokens_rules():
         resolve_num_draft_tokens(2, 4, 22)
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16_verified(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["auto", "torch"])
+def tiny_bf16_verified(tiny_llama_dir, request):
+    """Both ways of computing the linears: the gemv kernel where it runs (auto), and torch's F.linear."""
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    return m, exact.prepare(m, rows=[4, 7], topk=2)
+    return m, exact.prepare(m, rows=[4, 7], topk=2, linears=request.param)
 
 
 @pytest.fixture
@@ -317,7 +318,7 @@ def test_probe_finds_a_batch_dependent_linear_and_rowwise_restores_identity(tiny
     assert not torch.equal(one, chunk)
 
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=4)
+    v = exact.prepare(m, rows=4, linears="torch")  # the probe of torch's kernels (the gemv kernel would bypass the patch)
     probed = {tuple(x["shape"]): x for x in v["probe_result"]["linears"]}
     flagged = {tuple(x["shape"]) for x in v["rowwise"]["linears"]}
     assert down in flagged and sum(probed[down]["differing"].values()) > 1000, probed[down]

@@ -42,6 +42,11 @@ class EvalConfig:
                             "block says which, and whether the probe passed); 'model' keeps the model's own attention and "
                             "batched linears (faster; exactness only probed and reported); 'auto' = rowwise on a CPU, model "
                             "on a GPU", choices=["auto", "rowwise", "model"])
+    linears: str = option("auto", "hf engine, with row-wise attention on a CPU: 'kernel' runs the target's bf16 Linear layers in "
+                          "eaglenest's row-invariant AVX512-BF16 matrix-vector kernel for decoding and verification "
+                          "forwards (compiled at first use with the system C compiler; faster than torch's, exact by "
+                          "construction); 'torch' keeps F.linear (probed per shape); 'auto' = kernel where it can run",
+                          choices=["auto", "kernel", "torch"])
     seed: int = option(0, "sampling seed")
     no_baseline: bool = option(False, "skip plain decoding (no speedup, no equivalence check)")
     baseline_limit: int | None = option(None, "run plain decoding (speedup, greedy equivalence) on the first N prompts only")

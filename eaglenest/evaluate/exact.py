@@ -16,6 +16,11 @@ together.  What was measured (torch 2.13, SmolLM2 shapes):
 So the property is probed at run time, on this machine, with this thread count, and the
 verification forward is made exact where it is not:
 
+  0. linears ("kernel", where the CPU has AVX512-BF16 and a C compiler exists): every bf16 Linear
+     runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
+     construction and ~1.7x faster per decoded token than torch's bf16 F.linear here
+     (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel;
+
   1. attention ("rowwise"): each query row of a verification forward is its own single-query
      SDPA call over exactly the keys it may see -- the call plain decoding makes for that token;
   2. per Linear weight shape, the model's own weights are fed random rows, batched (k rows: a
@@ -51,6 +56,7 @@ NAME = "eaglenest_rowwise"  # the attention implementation name registered with 
 PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
 PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per-call overhead)
 ATTENTION_CHOICES = ("auto", "rowwise", "model")
+LINEAR_CHOICES = ("auto", "kernel", "torch")
 
 
 def resolve_attention(choice: str, device: str) -> str:
@@ -190,7 +196,8 @@ def linear_groups(model) -> dict[tuple, list[str]]:
 @torch.inference_mode()
 def probe_linear(module: torch.nn.Linear, rows: list[int], seed: int = 0) -> dict[int, tuple[int, int]]:
     """{M: (differing outputs, outputs compared)} for each M in `rows`: M-row calls vs M one-row
-    calls, on the module's own weights with random inputs shaped like a batch-1 forward's [1, M, K]."""
+    calls of the module as installed (F.linear, or the gemv kernel), on its own weights with random
+    inputs shaped like a batch-1 forward's [1, M, K]."""
     w = module.weight
     n_out, k = w.shape
     g = torch.Generator().manual_seed(seed)
@@ -200,8 +207,8 @@ def probe_linear(module: torch.nn.Linear, rows: list[int], seed: int = 0) -> dic
         x = torch.randn(trials, 1, m, k, generator=g).to(device=w.device, dtype=w.dtype)
         diff = 0
         for t in range(trials):
-            batched = F.linear(x[t], w, module.bias)
-            single = torch.cat([F.linear(x[t, :, i : i + 1], w, module.bias) for i in range(m)], dim=1)
+            batched = module(x[t])
+            single = torch.cat([module(x[t, :, i : i + 1]) for i in range(m)], dim=1)
             diff += int((batched != single).sum())
         res[m] = (diff, trials * m * n_out)
     return res
@@ -288,11 +295,45 @@ def probe_end_to_end(model, rows: int, topk: int = 1, trials: int = 2, prompt_le
 # the set-up the evaluator runs
 
 
-def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "rowwise") -> dict:
+def install_gemv(model, max_rows: int, linears: str) -> dict:
+    """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (gemv.py) for forwards of
+    1..max_rows rows -- plain decoding and verification then run the same per-row arithmetic --
+    where `linears` asks for it ('auto': where it can run; 'kernel': required; 'torch': never).
+    Returns the report's `linears` block."""
+    from eaglenest.evaluate import gemv
+
+    if linears not in LINEAR_CHOICES:
+        from eaglenest import EaglenestError
+
+        raise EaglenestError(f"--linears must be one of {', '.join(LINEAR_CHOICES)} (got {linears!r})")
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    why = ""
+    if linears == "torch":
+        why = "--linears torch"
+    elif not mods:
+        why = "no bf16 CPU Linear layers"
+    else:
+        why = gemv.load()[1]
+    if why:
+        if linears == "kernel":
+            from eaglenest import EaglenestError
+
+            raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
+        return {"kernel": "torch", "why": why}
+    for _, m in mods:
+        gemv.use_kernel(m, max_rows)
+    return {"kernel": "eaglenest-gemv", "modules": len(mods), "max_rows": max_rows,
+            "why": "row-invariant by construction (each output one fixed sequence of AVX512-BF16 dot products) "
+                   "and faster than torch's bf16 matrix-vector products on a CPU"}
+
+
+def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "rowwise", linears: str = "auto") -> dict:
     """Make `model`'s verification forwards of `rows` tokens (num_draft_tokens; a list when one
     model serves several) exact where this machine allows, and say what was done and measured:
     the report's `verification` block (see the module docstring).
-    attention: 'rowwise' (the exact path) or 'model' (the model's own attention, only probed)."""
+    attention: 'rowwise' (the exact path) or 'model' (the model's own attention, only probed);
+    linears: 'auto' / 'kernel' / 'torch' (install_gemv; the kernel only with row-wise attention)."""
     t0 = time.perf_counter()
     sizes = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows) if int(r) > 1})
     most = max(sizes, default=1)
@@ -301,6 +342,7 @@ def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "ro
     probe: dict = {"threads": torch.get_num_threads(), "rows_probed": sizes, "linears": None}
     groups = linear_groups(model)
     modules = dict(model.named_modules())
+    kernel = install_gemv(model, most, linears if attention == "rowwise" and sizes else "torch")
 
     def end_to_end() -> dict:
         runs = [probe_end_to_end(model, k, topk) for k in sizes]
@@ -336,11 +378,13 @@ def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "ro
             for n in names:
                 set_rowwise(modules[n], most)
         rowwise["all_linears"] = True
+        if kernel["kernel"] != "torch":
+            kernel = {"kernel": "torch", "why": "dropped: verification differed with it; every Linear runs row by row"}
         stages.append({"linears_rowwise": "all", **end_to_end()})
     probe["end_to_end"] = stages
     probe["seconds"] = round(time.perf_counter() - t0, 2)
     return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "exact": bool(stages[-1]["exact"]),
-            "rowwise": rowwise, "probe_result": probe}
+            "linears": kernel, "rowwise": rowwise, "probe_result": probe}
 
 
 def summary(v: dict | None) -> str:
@@ -355,5 +399,7 @@ def summary(v: dict | None) -> str:
         parts.append("all linears row-wise")
     elif rw.get("linears"):
         parts.append("row-wise " + ", ".join(f"{'x'.join(map(str, r['shape']))} ({r['modules']})" for r in rw["linears"]))
+    if (v.get("linears") or {}).get("kernel") == "eaglenest-gemv":
+        parts.insert(0, "linears in the gemv kernel")
     head = "exact (probed)" if v.get("exact") else "NOT exact (probe differs)"
     return f"{head}, {v.get('dtype')}" + (f"; {'; '.join(parts)}" if parts else "; model attention")

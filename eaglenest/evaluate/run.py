@@ -196,7 +196,7 @@ class HFEvaluator:
         target = load_target(a.model, a.dtype, device, a.trust_remote_code)
         # verification forwards bit-identical to plain decoding where this machine allows (exact.py)
         attention = exact.resolve_attention(getattr(a, "attention", "auto"), device)
-        verification = exact.prepare(target, rows=ndt, topk=a.topk, attention=attention)
+        verification = exact.prepare(target, rows=ndt, topk=a.topk, attention=attention, linears=getattr(a, "linears", "auto"))
         if not verification["exact"]:
             print(f"eval: verification is not bit-identical to plain decoding on this machine "
                   f"({verification['probe_result']['end_to_end'][-1]['first_difference']}): greedy outputs may "

@@ -1,0 +1,189 @@
+"""A row-invariant bf16 matrix-vector kernel for batch-1 decoding on a CPU (AVX512-BF16).
+
+Why: batch-1 decoding of a small target is bound by its Linear layers reading their weights, and
+torch's bf16 `F.linear` (oneDNN) reads them at ~4-6 GB/s for one row here, well under what one core
+can stream (bench/results/eval_gemv_cpu.json).  Its batched calls are not promised to be
+row-invariant either (exact.py).  This kernel is both: every output y[m, n] is the same sequence of
+`vdpbf16ps` over K (32 products per instruction, 16 fp32 lanes), the same fixed reduction of the
+lanes, plus the bias, rounded once to bf16 -- whatever the number of rows M or threads, so a
+k-row verification forward computes each row exactly as a one-row plain decoding forward does.
+Rows are processed 4 at a time against 4 weight rows (the weights are read once per call).
+
+It is C compiled at first use with the system's C compiler into the eaglenest cache (one file per
+source, flags and compiler; an atomic rename, so parallel eval workers may race), and loaded with
+ctypes (the call releases the GIL).  OpenMP threads come from torch's own libgomp (already loaded,
+same soname): one thread pool.  Where it cannot be used (no AVX512-BF16, no compiler, not x86-64
+Linux) `load()` says why and the caller keeps `F.linear`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch does */
+  uint32_t b; memcpy(&b, &f, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  /* quiet NaN */
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return (uint16_t)(b >> 16);
+}
+
+static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+
+/* y[m0:m0+MM, n0:n0+NN] over all of K.  MM and NN are constants at every call site (registers). */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+    uint16_t *y, int m0, int n0, int N, int K, const int MM, const int NN) {
+  __m512 acc[4][4];
+  int kfull = K / 32 * 32;
+  __mmask32 tail = (__mmask32)((K > kfull) ? ((1u << (K - kfull)) - 1u) : 0u);
+#pragma GCC unroll 4
+  for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    __mmask32 msk = k < kfull ? (__mmask32)0xffffffffu : tail;
+    __m512bh wv[4], xv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(msk, w + (size_t)(n0 + j) * K + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; i++) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(msk, x + (size_t)(m0 + i) * K + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+      for (int j = 0; j < NN; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv[j]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      if (bias) s += from_bf16(bias[n0 + j]);
+      y[(size_t)(m0 + i) * N + n0 + j] = to_bf16(s);
+    }
+}
+
+#define T(MM, NN) tile(x, w, bias, y, m0, n, N, K, MM, NN)
+static void block(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m0, int mm, int n0, int nn,
+                  int N, int K) {
+  if (nn == 4) {
+    int n = n0;
+    switch (mm) { case 4: T(4, 4); break; case 3: T(3, 4); break; case 2: T(2, 4); break; default: T(1, 4); }
+  } else {
+    for (int n = n0; n < n0 + nn; n++)
+      switch (mm) { case 4: T(4, 1); break; case 3: T(3, 1); break; case 2: T(2, 1); break; default: T(1, 1); }
+  }
+}
+
+/* y[M, N] = x[M, K] w[N, K]^T (+ bias[N]); bf16 in and out, fp32 accumulation.  Contiguous rows. */
+void eaglenest_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+                         int threads) {
+  int blocks = (N + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int b = 0; b < blocks; b++) {
+    int n0 = b * 4, nn = N - n0 < 4 ? N - n0 : 4;
+    for (int m0 = 0; m0 < M; m0 += 4) block(x, w, bias, y, m0, M - m0 < 4 ? M - m0 : 4, n0, nn, N, K);
+  }
+}
+"""
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src, lib = Path(tmp) / "gemv.c", Path(tmp) / out.name
+        src.write_text(SOURCE)
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+        os.replace(lib, out)  # atomic: a parallel worker sees the whole file or none
+
+
+@functools.cache
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the kernel's library, '') or (None, why it cannot be used here)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    if "avx512_bf16" not in _cpu_flags():
+        return None, "this CPU has no AVX512-BF16"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler (cc/gcc, or $CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    from eaglenest.models.fetch import cache_root
+
+    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, *version]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"gemv-{key}.so"
+    try:
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"could not build or load the kernel: {e}"
+    fn = lib.eaglenest_gemv_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    fn.restype = None
+    return lib, ""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for bf16 CPU tensors through the kernel (which `load()` must have found usable)."""
+    lib, why = load()
+    if lib is None:
+        raise RuntimeError(f"eaglenest gemv kernel unavailable: {why}")
+    K = x.shape[-1]
+    N = weight.shape[0]
+    M = x.numel() // K if K else 0
+    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"gemv.linear takes bf16 CPU tensors (got {x.dtype} x {weight.dtype} on {x.device})")
+    if weight.shape[1] != K:
+        raise ValueError(f"gemv.linear: x has {K} features, the weight {tuple(weight.shape)}")
+    x2 = x.reshape(M, K).contiguous()
+    w = weight.contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16)
+    if M:
+        lib.eaglenest_gemv_bf16(x2.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                                M, N, K, torch.get_num_threads())
+    return y
+
+
+def _forward(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if 1 <= rows <= max_rows and x.dtype == torch.bfloat16:
+        return linear(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
+
+
+def use_kernel(module: torch.nn.Linear, max_rows: int | None) -> None:
+    """Compute `module` with the kernel in forwards of 1..max_rows rows (None: F.linear again)."""
+    if max_rows is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = functools.partial(_forward, module, max_rows)
