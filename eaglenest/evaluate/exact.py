@@ -18,7 +18,7 @@ verification forward is made exact where it is not:
 
   0. linears ("kernel", where the CPU has AVX512-BF16 and a C compiler exists): every bf16 Linear
      runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
-     construction and ~1.7x faster per decoded token than torch's bf16 F.linear here
+     construction and faster than torch's bf16 F.linear for these row counts
      (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel;
 
   1. attention ("rowwise"): each query row of a verification forward is its own single-query

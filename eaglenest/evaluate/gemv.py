@@ -1,13 +1,14 @@
 """A row-invariant bf16 matrix-vector kernel for batch-1 decoding on a CPU (AVX512-BF16).
 
 Why: batch-1 decoding of a small target is bound by its Linear layers reading their weights, and
-torch's bf16 `F.linear` (oneDNN) reads them at ~4-6 GB/s for one row here, well under what one core
-can stream (bench/results/eval_gemv_cpu.json).  Its batched calls are not promised to be
+torch's bf16 `F.linear` (oneDNN) reads them well under what one core can stream, for one row
+especially (bench/results/eval_gemv_cpu.json).  Its batched calls are not promised to be
 row-invariant either (exact.py).  This kernel is both: every output y[m, n] is the same sequence of
 `vdpbf16ps` over K (32 products per instruction, 16 fp32 lanes), the same fixed reduction of the
 lanes, plus the bias, rounded once to bf16 -- whatever the number of rows M or threads, so a
 k-row verification forward computes each row exactly as a one-row plain decoding forward does.
-Rows are processed 4 at a time against 4 weight rows (the weights are read once per call).
+Rows are processed 4 at a time against 4 weight rows (the weights are read once per call), with a
+software prefetch of the next 4 weight rows.
 
 It is C compiled at first use with the system's C compiler into the eaglenest cache (one file per
 source, flags and compiler; an atomic rename, so parallel eval workers may race), and loaded with
@@ -60,6 +61,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
   for (int k = 0; k < K; k += 32) {
     __mmask32 msk = k < kfull ? (__mmask32)0xffffffffu : tail;
     __m512bh wv[4], xv[4];
+    /* the next block's rows at the same k: the hardware prefetchers alone left this at ~half the
+       DRAM read rate (x86 prefetches never fault; the last block re-touches its own rows) */
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) {
+      int r = n0 + j + 4 < N ? n0 + j + 4 : n0 + j;
+      _mm_prefetch((const char *)(w + (size_t)r * K + k), _MM_HINT_T0);
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < NN; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(msk, w + (size_t)(n0 + j) * K + k);
 #pragma GCC unroll 4
