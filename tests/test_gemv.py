@@ -82,6 +82,19 @@ def test_prepare_puts_the_linears_on_the_kernel_and_verification_is_exact(kernel
             assert sd.generate(p, 24).output_ids == plain_greedy(m, p, 24)
 
 
+def test_auto_leaves_large_verifications_to_torch_and_kernel_forces_it(kernel, tiny_llama_dir):
+    """Above GEMV_AUTO_MAX_ROWS verified rows (large trees) `auto` keeps torch's GEMM, saying why;
+    `--linears kernel` installs the kernel for them anyway, and verification is still exact."""
+    many = exact.GEMV_AUTO_MAX_ROWS + 4
+    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    v = exact.prepare(m, rows=many, topk=4)
+    assert v["linears"]["kernel"] == "torch" and f"verification of {many} rows" in v["linears"]["why"]
+    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    v = exact.prepare(m, rows=many, topk=4, linears="kernel")
+    assert v["linears"]["kernel"] == "eaglenest-gemv" and v["linears"]["max_rows"] == many
+    assert v["exact"] is True, v["probe_result"]["end_to_end"]
+
+
 def test_linears_torch_keeps_f_linear_and_kernel_is_refused_where_it_cannot_build(tiny_llama_dir, tmp_path, monkeypatch):
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
     v = exact.prepare(m, rows=4, linears="torch")

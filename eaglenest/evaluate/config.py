@@ -45,7 +45,9 @@ class EvalConfig:
     linears: str = option("auto", "hf engine, with row-wise attention on a CPU: 'kernel' runs the target's bf16 Linear layers in "
                           "eaglenest's row-invariant AVX512-BF16 matrix-vector kernel for decoding and verification "
                           "forwards (compiled at first use with the system C compiler; faster than torch's, exact by "
-                          "construction); 'torch' keeps F.linear (probed per shape); 'auto' = kernel where it can run",
+                          "construction); 'torch' keeps F.linear (probed per shape); 'auto' = kernel where it can run and the "
+                          "verification is chain-sized (its cost grows with the rows: large trees keep torch's GEMM; the "
+                          "report's verification.linears says which and why)",
                           choices=["auto", "kernel", "torch"])
     seed: int = option(0, "sampling seed")
     no_baseline: bool = option(False, "skip plain decoding (no speedup, no equivalence check)")

@@ -57,6 +57,7 @@ PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
 PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per-call overhead)
 ATTENTION_CHOICES = ("auto", "rowwise", "model")
 LINEAR_CHOICES = ("auto", "kernel", "torch")
+GEMV_AUTO_MAX_ROWS = 8  # `--linears auto` takes the gemv kernel for verifications of at most this many rows
 
 
 def resolve_attention(choice: str, device: str) -> str:
@@ -298,7 +299,8 @@ def probe_end_to_end(model, rows: int, topk: int = 1, trials: int = 2, prompt_le
 def install_gemv(model, max_rows: int, linears: str) -> dict:
     """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (gemv.py) for forwards of
     1..max_rows rows -- plain decoding and verification then run the same per-row arithmetic --
-    where `linears` asks for it ('auto': where it can run; 'kernel': required; 'torch': never).
+    where `linears` asks for it ('auto': where it can run, for verifications of at most
+    GEMV_AUTO_MAX_ROWS rows; 'kernel': required; 'torch': never).
     Returns the report's `linears` block."""
     from eaglenest.evaluate import gemv
 
@@ -311,6 +313,9 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
     why = ""
     if linears == "torch":
         why = "--linears torch"
+    elif linears == "auto" and max_rows > GEMV_AUTO_MAX_ROWS:
+        why = (f"verification of {max_rows} rows: above {GEMV_AUTO_MAX_ROWS} the kernel's work grows with the rows and "
+               f"torch's batched kernels are faster (bench/results/gemv_rows_cpu.json); --linears kernel forces it")
     elif not mods:
         why = "no bf16 CPU Linear layers"
     else:
