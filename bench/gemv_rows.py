@@ -1,6 +1,7 @@
 """The linears of one SmolLM2 forward (its real bf16 weights: 30 layers x 7 + the head) for M rows,
-in eaglenest's gemv kernel vs torch's F.linear batched vs torch one row at a time (what exact.py's
-row-wise fallback costs), one thread (an eval worker's setting).
+in eaglenest's gemv kernel vs torch's F.linear batched vs torch one row at a time (row slices of the
+M-row input; exact.py's row-wise fallback slices a reshaped copy, with other strides), one thread
+(an eval worker's setting).
 
     python bench/gemv_rows.py [--rows 1,2,4,8,12,16,32,64] [--reps 5]
 

@@ -15,6 +15,7 @@ from helpers_eval import load_tiny, plain_greedy, random_draft
 from eaglenest import EaglenestError
 from eaglenest.evaluate import exact, gemv
 from eaglenest.evaluate.specdec import SpecDecoder
+from eaglenest.utils import cpu_flags
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,7 +71,7 @@ def test_prepare_puts_the_linears_on_the_kernel_and_verification_is_exact(kernel
     v = exact.prepare(m, rows=4)
     assert v["linears"]["kernel"] == "eaglenest-gemv" and v["linears"]["max_rows"] == 4
     lin = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
-    assert v["linears"]["modules"] == len(lin) and all(x.__dict__["forward"].func is gemv._forward for x in lin)
+    assert v["linears"]["modules"] == len(lin) and all(x.__dict__["forward"].func is exact._linear_by_kernel for x in lin)
     assert not any(any(p["differing"].values()) for p in v["probe_result"]["linears"])
     assert v["exact"] is True and "gemv kernel" in exact.summary(v)
     down = m.model.layers[0].mlp.down_proj
@@ -100,7 +101,7 @@ def test_linears_torch_keeps_f_linear_and_kernel_is_refused_where_it_cannot_buil
     v = exact.prepare(m, rows=4, linears="torch")
     assert v["linears"] == {"kernel": "torch", "why": "--linears torch"}
     # (a shape torch computes batch-dependently here may still run row by row: exact.set_rowwise)
-    assert not any(getattr(x.__dict__.get("forward"), "func", None) is gemv._forward for x in m.modules())
+    assert not any(getattr(x.__dict__.get("forward"), "func", None) is exact._linear_by_kernel for x in m.modules())
     with pytest.raises(EaglenestError, match="--linears must be one of"):
         exact.prepare(m, rows=4, linears="fast")
     # no working compiler and no built kernel in the cache: 'kernel' is refused, 'auto' says why it fell back
@@ -109,7 +110,7 @@ def test_linears_torch_keeps_f_linear_and_kernel_is_refused_where_it_cannot_buil
     gemv.load.cache_clear()
     try:
         m2 = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-        if "avx512_bf16" in gemv._cpu_flags():
+        if "avx512_bf16" in cpu_flags():
             with pytest.raises(EaglenestError, match="could not build"):
                 exact.prepare(m2, rows=4, linears="kernel")
             v2 = exact.prepare(m2, rows=4)

@@ -52,6 +52,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from eaglenest.evaluate import gemv
+
 NAME = "eaglenest_rowwise"  # the attention implementation name registered with transformers
 PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
 PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per-call overhead)
@@ -167,8 +169,12 @@ def install_rowwise_attention(model, max_rows: int) -> RowwiseAttention:
 # row-wise linears
 
 
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.numel() else 0
+
+
 def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    rows = _rows(x)
     if rows <= 1 or rows > max_rows:  # plain decoding (already one row) and long prefills
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, 1, x.shape[-1])
@@ -176,12 +182,27 @@ def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> 
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def set_rowwise(module: torch.nn.Linear, max_rows: int | None) -> None:
-    """Compute `module` one row at a time in forwards of 2..max_rows rows (None: batched again)."""
+def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+    if 1 <= _rows(x) <= max_rows and x.dtype == torch.bfloat16:
+        return gemv.linear(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
+
+
+def _set_forward(module: torch.nn.Linear, how, max_rows: int | None) -> None:
     if max_rows is None:
         module.__dict__.pop("forward", None)
     else:
-        module.forward = functools.partial(_linear_by_rows, module, max_rows)
+        module.forward = functools.partial(how, module, max_rows)
+
+
+def set_rowwise(module: torch.nn.Linear, max_rows: int | None) -> None:
+    """Compute `module` one row at a time in forwards of 2..max_rows rows (None: batched again)."""
+    _set_forward(module, _linear_by_rows, max_rows)
+
+
+def set_kernel(module: torch.nn.Linear, max_rows: int | None) -> None:
+    """Compute `module` in the gemv kernel in forwards of 1..max_rows rows (None: F.linear again)."""
+    _set_forward(module, _linear_by_kernel, max_rows)
 
 
 def linear_groups(model) -> dict[tuple, list[str]]:
@@ -302,13 +323,11 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
     where `linears` asks for it ('auto': where it can run, for verifications of at most
     GEMV_AUTO_MAX_ROWS rows; 'kernel': required; 'torch': never).
     Returns the report's `linears` block."""
-    from eaglenest.evaluate import gemv
+    from eaglenest import EaglenestError
 
     if linears not in LINEAR_CHOICES:
-        from eaglenest import EaglenestError
-
         raise EaglenestError(f"--linears must be one of {', '.join(LINEAR_CHOICES)} (got {linears!r})")
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
             and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     why = ""
     if linears == "torch":
@@ -322,12 +341,10 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         why = gemv.load()[1]
     if why:
         if linears == "kernel":
-            from eaglenest import EaglenestError
-
             raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
         return {"kernel": "torch", "why": why}
-    for _, m in mods:
-        gemv.use_kernel(m, max_rows)
+    for m in mods:
+        set_kernel(m, max_rows)
     return {"kernel": "eaglenest-gemv", "modules": len(mods), "max_rows": max_rows,
             "why": "row-invariant by construction (each output one fixed sequence of AVX512-BF16 dot products) "
                    "and faster than torch's bf16 matrix-vector products on a CPU"}

@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 
@@ -112,13 +111,6 @@ void eaglenest_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
 """
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -135,7 +127,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     """(the kernel's library, '') or (None, why it cannot be used here)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    if "avx512_bf16" not in _cpu_flags():
+    from eaglenest.utils import cpu_flags
+
+    if "avx512_bf16" not in cpu_flags():
         return None, "this CPU has no AVX512-BF16"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -181,17 +175,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                 M, N, K, torch.get_num_threads())
     return y
 
-
-def _forward(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if 1 <= rows <= max_rows and x.dtype == torch.bfloat16:
-        return linear(x, module.weight, module.bias)
-    return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
-
-
-def use_kernel(module: torch.nn.Linear, max_rows: int | None) -> None:
-    """Compute `module` with the kernel in forwards of 1..max_rows rows (None: F.linear again)."""
-    if max_rows is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = functools.partial(_forward, module, max_rows)
