@@ -174,9 +174,9 @@ def _train_dtype(preset: str, device: str) -> str:
     """'auto-cpu-bf16': bf16 autocast on CUDA, and on CPUs with bf16 matrix instructions."""
     if preset != "auto-cpu-bf16":
         return preset
-    from eaglenest.utils import cpu_has_fast_bf16, resolve_device
+    from eaglenest.utils import auto_dtype
 
-    return "bf16" if resolve_device(device) != "cpu" or cpu_has_fast_bf16() else "fp32"
+    return auto_dtype("auto", device)[0]
 
 
 def _eval_workers(n: int, device: str) -> int:

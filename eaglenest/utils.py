@@ -261,6 +261,22 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def auto_dtype(choice: str, device: str = "auto", engine: str = "hf") -> tuple[str, str]:
+    """(dtype, why) a target runs in for `capture --dtype CHOICE` (and the demo's training).  auto =
+    bf16, the dtype the engines serve, except for an in-process model on a CPU without bf16 matrix
+    instructions (e.g. an AVX2-only AMD EPYC or laptop): there torch emulates bf16 matmuls and a
+    SmolLM2 prefill runs ~5x faster in fp32 (bench/results/target_dtype_cpu_no-bf16.json).  Batch-1
+    decoding reads weights rather than multiplying, and bf16 stays faster there, so eval keeps bf16.
+    Server engines keep bf16."""
+    if choice != "auto":
+        return choice, f"--dtype {choice}"
+    if engine != "hf" or resolve_device(device) != "cpu":
+        return "bf16", "auto: bf16"
+    if cpu_has_fast_bf16():
+        return "bf16", "auto: bf16 (this CPU has bf16 matrix instructions)"
+    return "fp32", "auto: fp32, this CPU has no bf16 matrix instructions (AMX / AVX512-BF16), where bf16 runs several times slower"
+
+
 def machine_info() -> dict:
     """Where a measurement ran: platform, CPU or GPU model, versions, load (for reports and benchmarks)."""
     import platform

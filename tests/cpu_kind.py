@@ -29,6 +29,19 @@ def cpu_kind(cpuinfo: str | None = None) -> str | None:
     return None
 
 
+def bf16_matrix_cpu(cpuinfo: str | None = None) -> bool:
+    """Whether the first processor lists AMX-BF16 or AVX512-BF16 (read here, not by eaglenest: a test of
+    eaglenest's dtype choice must not borrow its reader)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
 def require_exact_on_ci_cpus(verification: dict, kind: str | None = None) -> None:
     """A report's `verification` block must say exact on a CI CPU kind (elsewhere it may not)."""
     kind = cpu_kind() if kind is None else kind

@@ -95,8 +95,8 @@ def test_the_readme_example_config_is_valid(tmp_path):
 COMMANDS = [
     (["prepare"], "model: smollm2\ndata: [a.jsonl, b.jsonl]\nout: d\nlimit: 5\n", ["--limit", "7"],
      {"data": ["a.jsonl", "b.jsonl"], "limit": 7, "max_length": 2048}),
-    (["capture"], "model: m\nout: f\nbatch_tokens: 1024\ndtype: fp32\n", ["--dtype", "bf16"],  # the flag = the default
-     {"batch_tokens": 1024, "dtype": "bf16", "store_dtype": "auto"}),
+    (["capture"], "model: m\nout: f\nbatch_tokens: 1024\ndtype: fp32\n", ["--dtype", "auto"],  # the flag = the default
+     {"batch_tokens": 1024, "dtype": "auto", "store_dtype": "auto"}),
     (["regenerate"], "model: m\ndata: d\nout: o\ntemperature: 0\nmax_new_tokens: 64\n", ["--max-new-tokens", "512"],
      {"temperature": 0.0, "max_new_tokens": 512, "batch_size": 32}),
     (["eval"], "model: m\ndraft: d\nout: r.json\nsteps: 5\nengine_arg: [a=1]\n", ["--steps", "3", "--engine-arg", "b=2"],
@@ -177,3 +177,18 @@ def test_the_readme_eval_example_config_is_valid(tmp_path, capsys):
     assert main(["eval", "--config", str(y), "--limit", "5", "--print-config"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert (cfg["model"], cfg["limit"], cfg["max_new_tokens"], cfg["temperature"]) == ("smollm2", 5, 128, 0.0)
+
+
+def test_auto_dtype_follows_the_cpus_bf16_instructions(monkeypatch):
+    """--dtype auto (capture, eval, the demo's training): bf16 on a GPU, for server engines and on CPUs with
+    bf16 matrix instructions; fp32 on other CPUs (where torch emulates bf16 matmuls); an explicit choice wins."""
+    from eaglenest import utils
+
+    for flags, want in (("flags\t: avx2 amx_bf16 amx_tile", "bf16"), ("flags\t: avx2 avx512f avx512_bf16", "bf16"),
+                        ("flags\t: avx2 fma f16c", "fp32"), ("", "fp32")):
+        monkeypatch.setattr(utils, "cpu_flags", lambda f=flags: f)
+        got, why = utils.auto_dtype("auto", "cpu")
+        assert got == want and why.startswith("auto"), (flags, got, why)
+        assert utils.auto_dtype("auto", "cpu", engine="vllm")[0] == "bf16"  # a server runs its own kernels
+        assert utils.auto_dtype("fp32", "cpu") == ("fp32", "--dtype fp32")
+        assert utils.auto_dtype("bf16", "cpu") == ("bf16", "--dtype bf16")

@@ -32,6 +32,8 @@ def _run(cfg, args) -> int:
     import sys
     from pathlib import Path
 
+    import torch
+
     from eaglenest import EaglenestError
     from eaglenest.capture.layers import parse_layer_ids
     from eaglenest.capture.run import _done_ids, check_room, print_plan, resolve_store_dtype, run_capture
@@ -39,6 +41,7 @@ def _run(cfg, args) -> int:
     from eaglenest.data import PreparedData
     from eaglenest.engines import get_engine_module
     from eaglenest.models.target import model_config, resolve_model_path
+    from eaglenest.utils import auto_dtype
 
     out = Path(cfg.out)
     path = resolve_model_path(cfg.model)
@@ -48,9 +51,15 @@ def _run(cfg, args) -> int:
     except (KeyError, TypeError, ValueError):
         raise EaglenestError(f"{path}/config.json: no integer hidden_size / num_hidden_layers (nor in text_config)") from None
     layer_ids = parse_layer_ids(cfg.layers, n_layers)  # the plan's size depends on how many
-    store_dtype, why = resolve_store_dtype(cfg.store_dtype, cfg.dtype, hidden)
+    # auto asks for bf16's precision (fp32 only where bf16 is slow here), so the store follows bf16
+    run_dtype, dtype_why = auto_dtype(cfg.dtype, getattr(args, "device", "auto"), cfg.engine)
+    store_dtype, why = resolve_store_dtype(cfg.store_dtype, "bf16" if cfg.dtype == "auto" else cfg.dtype, hidden)
+    if cfg.dtype == "auto" and run_dtype != "bf16":  # fp32 for speed only: hand on bf16 states, as a bf16 run would
+        args.states_dtype = torch.bfloat16
+    cfg.dtype = args.dtype = run_dtype  # the engine reads args
     block = fp8_block_for(hidden, cfg.fp8_block) if is_fp8(store_dtype) else None
-    print(f"capture: target runs in {cfg.dtype}; store dtype {describe_scheme(store_dtype, block, hidden)} ({why})", file=sys.stderr)
+    print(f"capture: target runs in {run_dtype} ({dtype_why}); store dtype {describe_scheme(store_dtype, block, hidden)} ({why})",
+          file=sys.stderr)
     if cfg.data is None and not (cfg.dry_run and cfg.tokens is not None):
         raise EaglenestError("capture needs --data (only `--dry-run --tokens N` plans without data)")
     if cfg.data is None:

@@ -21,8 +21,10 @@ class CaptureConfig:
                          "(DFlash's default: five spread over the depth, [2, 9, 15, 21, 28] for 30 layers) or any "
                          "number of increasing ids i,j,k,...")
     batch_tokens: int = option(8192, "max padded tokens per batch")
-    dtype: str = option("bf16", "dtype the target runs in (an fp32 run keeps an fp32 store under --store-dtype auto)",
-                        choices=["bf16", "fp32"])
+    dtype: str = option("auto", "dtype the target runs in: auto = bf16, except for the hf engine on a CPU without bf16 "
+                        "matrix instructions (AVX2-only), where fp32 runs several times faster (its store stays bf16); "
+                        "an explicit fp32 run keeps an fp32 store under --store-dtype auto",
+                        choices=["auto", "bf16", "fp32"])
     store_dtype: str = option("auto", f"how the states are stored: fp8 = float8 e4m3 with a power-of-two scale per "
                               f"--fp8-block values (half of bf16's bytes; decoded to bf16 on read), fp8-aux = only the aux "
                               f"states in fp8; auto (the default) = {COMPACT_DTYPE} for a target with hidden size >= "

@@ -32,6 +32,7 @@ def create(args) -> "HFEngine":
         dtype=getattr(args, "dtype", "bf16"),
         device=getattr(args, "device", "auto"),
         trust_remote_code=getattr(args, "trust_remote_code", False),
+        states_dtype=getattr(args, "states_dtype", None),
     )
 
 
@@ -122,10 +123,14 @@ class PendingCapture(CaptureHandle):
 class HFEngine(Engine):
     name = NAME
 
-    def __init__(self, model, layers="auto", dtype="bf16", device="auto", trust_remote_code=False, model_obj=None, host_ops=None):
+    def __init__(self, model, layers="auto", dtype="bf16", device="auto", trust_remote_code=False, model_obj=None, host_ops=None,
+                 states_dtype: torch.dtype | None = None):
+        """`states_dtype`: cast the captured states to it (capture --dtype auto runs fp32 on CPUs that
+        emulate bf16 but hands on bf16 states, as a bf16 run would)."""
         from eaglenest.utils import resolve_device
 
         self.device = resolve_device(device)
+        self.states_dtype = states_dtype
         self.path = resolve_model_path(model) if model_obj is None else model
         self.model = model_obj if model_obj is not None else load_target(model, dtype, self.device, trust_remote_code)
         cfg = self.model.config
@@ -176,7 +181,10 @@ class HFEngine(Engine):
         out = self.base(input_ids=ids, attention_mask=att, use_cache=False)
         aux = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
         self._captured.clear()
-        return aux, out.last_hidden_state
+        last = out.last_hidden_state
+        if self.states_dtype is not None:
+            aux, last = aux.to(self.states_dtype), last.to(self.states_dtype)
+        return aux, last
 
     def capture(self, batch: list[Request]) -> list[Captured | Failure]:
         return self.capture_async(batch).result()
