@@ -9,7 +9,7 @@ baseline on every one of the `--limit` prompts.  Recorded per arm: the whole eva
 loads and probes included), decoded tokens/s per process (speculative and plain), tau, greedy ==
 plain, and the verification block.  The two kernels round differently, so their greedy texts may
 differ at near-ties: `texts_identical` counts the prompts whose outputs agree across arms.
-Result: bench/results/eval_gemv_cpu.json.
+Result: bench/results/eval_gemv_cpu.json (the kernel's AVX512-BF16 build) or eval_gemv_cpu_<isa>.json.
 """
 
 from __future__ import annotations
@@ -80,7 +80,10 @@ def main() -> int:
         "texts_identical": sum(x == y for x, y in zip(outputs.get("torch", []), outputs.get("kernel", []))),
         "texts_compared": min((len(o) for o in outputs.values()), default=0),
     }
-    write_result("eval_gemv_cpu", result)
+    from eaglenest.evaluate.gemv import isa
+
+    result["isa"] = isa()  # the AVX512-BF16 build's file keeps its first name
+    write_result("eval_gemv_cpu" if result["isa"] == "avx512-bf16" else f"eval_gemv_cpu_{result['isa']}", result)
     return 0
 
 

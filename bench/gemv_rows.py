@@ -7,7 +7,8 @@ M-row input; exact.py's row-wise fallback slices a reshaped copy, with other str
 
 Per M, the arms alternate within each repetition; the median over repetitions is recorded (ms for
 all 211 linears of one forward).  Where the kernel stops paying against torch's batched kernel is
-what `--linears auto` uses (exact.GEMV_AUTO_MAX_ROWS).  Result: bench/results/gemv_rows_cpu.json.
+what `--linears auto` uses (exact.GEMV_AUTO_MAX_ROWS, per build).  Result: bench/results/gemv_rows_cpu.json
+(AVX512-BF16 build) or gemv_rows_cpu_<isa>.json.
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ def main() -> int:
         table[str(M)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
         print(M, table[str(M)], flush=True)
     faster = [int(M) for M, t in table.items() if t["kernel"] < t["torch_batched"]]
-    write_result("gemv_rows_cpu", {
+    isa = gemv.isa()  # the AVX512-BF16 build's file keeps its first name
+    write_result("gemv_rows_cpu" if isa == "avx512-bf16" else f"gemv_rows_cpu_{isa}", {
+        "isa": isa,
         "what": "ms for the 211 bf16 linears of one SmolLM2 forward with M rows, 1 thread: gemv kernel vs torch",
         "linears": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights), "reps": a.reps,
         "ms_per_forward": table,
         "kernel_faster_than_torch_batched_up_to": max((M for M in faster if all(m in faster for m in rows if m <= M)), default=0),
-        "auto_max_rows": exact.GEMV_AUTO_MAX_ROWS,
+        "auto_max_rows": exact.GEMV_AUTO_MAX_ROWS[isa],
     })
     return 0
 

@@ -14,9 +14,10 @@ def render(results: dict[str, dict]) -> str:
     exact = all(x[a]["greedy_matches_baseline"] and x[a]["verification_exact"] for x in rounds for a in ("torch", "kernel"))
     taus = f"τ {mean('torch', 'tau'):.3f} vs {mean('kernel', 'tau'):.3f}"
     return (
-        f"- `eval --linears kernel` (`auto` picks it on a CPU with AVX512-BF16 and a C compiler) computes the bf16 "
-        f"Linear layers of decoding and verification forwards in eaglenest's own matrix-vector kernel "
-        f"(`eaglenest/evaluate/gemv.py`): each output is one fixed sequence of AVX512-BF16 dot products, so a k-row "
+        f"- `eval --linears kernel` (`auto` picks it on an x86-64 CPU with AVX512-BF16, or else AVX2 + FMA, and a C "
+        f"compiler) computes the bf16 Linear layers of decoding and verification forwards in eaglenest's own "
+        f"matrix-vector kernel (`eaglenest/evaluate/gemv.py`, one source built for either instruction set): each output "
+        f"is one fixed sequence of instructions, so a k-row "
         f"verification row is bit-identical to a one-row decode by construction, and it streams the weights faster "
         f"than torch's bf16 `F.linear` does for one row. The demo's eval stage ({r['prompts']} MT-bench first turns, "
         f"plain decoding of each too, 2 processes on 2 cores, {cpu(r)}, {len(rounds)} alternating rounds): the whole "

@@ -43,7 +43,7 @@ class EvalConfig:
                             "batched linears (faster; exactness only probed and reported); 'auto' = rowwise on a CPU, model "
                             "on a GPU", choices=["auto", "rowwise", "model"])
     linears: str = option("auto", "hf engine, with row-wise attention on a CPU: 'kernel' runs the target's bf16 Linear layers in "
-                          "eaglenest's row-invariant AVX512-BF16 matrix-vector kernel for decoding and verification "
+                          "eaglenest's row-invariant matrix-vector kernel (AVX512-BF16, or AVX2 + FMA) for decoding and verification "
                           "forwards (compiled at first use with the system C compiler; faster than torch's, exact by "
                           "construction); 'torch' keeps F.linear (probed per shape); 'auto' = kernel where it can run and the "
                           "verification is chain-sized (its cost grows with the rows: large trees keep torch's GEMM; the "

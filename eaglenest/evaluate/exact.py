@@ -16,7 +16,7 @@ together.  What was measured (torch 2.13, SmolLM2 shapes):
 So the property is probed at run time, on this machine, with this thread count, and the
 verification forward is made exact where it is not:
 
-  0. linears ("kernel", where the CPU has AVX512-BF16 and a C compiler exists): every bf16 Linear
+  0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every bf16 Linear
      runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
      construction and faster than torch's bf16 F.linear for these row counts
      (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel;
@@ -59,7 +59,9 @@ PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
 PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per-call overhead)
 ATTENTION_CHOICES = ("auto", "rowwise", "model")
 LINEAR_CHOICES = ("auto", "kernel", "torch")
-GEMV_AUTO_MAX_ROWS = 8  # `--linears auto` takes the gemv kernel for verifications of at most this many rows
+# `--linears auto` takes the gemv kernel for verifications of at most this many rows, per build: where
+# it stops beating torch's batched kernels (bench/results/gemv_rows_cpu*.json)
+GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 8}
 
 
 def resolve_attention(choice: str, device: str) -> str:
@@ -321,7 +323,7 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
     """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (gemv.py) for forwards of
     1..max_rows rows -- plain decoding and verification then run the same per-row arithmetic --
     where `linears` asks for it ('auto': where it can run, for verifications of at most
-    GEMV_AUTO_MAX_ROWS rows; 'kernel': required; 'torch': never).
+    GEMV_AUTO_MAX_ROWS[its build] rows; 'kernel': required; 'torch': never).
     Returns the report's `linears` block."""
     from eaglenest import EaglenestError
 
@@ -329,24 +331,24 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         raise EaglenestError(f"--linears must be one of {', '.join(LINEAR_CHOICES)} (got {linears!r})")
     mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
             and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    why = ""
+    limit = GEMV_AUTO_MAX_ROWS.get(gemv.isa(), 0)
     if linears == "torch":
         why = "--linears torch"
-    elif linears == "auto" and max_rows > GEMV_AUTO_MAX_ROWS:
-        why = (f"verification of {max_rows} rows: above {GEMV_AUTO_MAX_ROWS} the kernel's work grows with the rows and "
-               f"torch's batched kernels are faster (bench/results/gemv_rows_cpu.json); --linears kernel forces it")
     elif not mods:
         why = "no bf16 CPU Linear layers"
-    else:
-        why = gemv.load()[1]
+    elif why := gemv.load()[1]:
+        pass
+    elif linears == "auto" and max_rows > limit:
+        why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's batched "
+               f"kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
     if why:
         if linears == "kernel":
             raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
         return {"kernel": "torch", "why": why}
     for m in mods:
         set_kernel(m, max_rows)
-    return {"kernel": "eaglenest-gemv", "modules": len(mods), "max_rows": max_rows,
-            "why": "row-invariant by construction (each output one fixed sequence of AVX512-BF16 dot products) "
+    return {"kernel": "eaglenest-gemv", "isa": gemv.isa(), "modules": len(mods), "max_rows": max_rows,
+            "why": f"row-invariant by construction (each output one fixed sequence of {gemv.isa()} instructions) "
                    "and faster than torch's bf16 matrix-vector products on a CPU"}
 
 

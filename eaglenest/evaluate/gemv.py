@@ -1,4 +1,4 @@
-"""A row-invariant bf16 matrix-vector kernel for batch-1 decoding on a CPU (AVX512-BF16).
+"""A row-invariant bf16 matrix-vector kernel for batch-1 decoding on a CPU (AVX512-BF16, or AVX2 + FMA).
 
 Why: batch-1 decoding of a small target is bound by its Linear layers reading their weights, and
 torch's bf16 `F.linear` (oneDNN) reads them well under what one core can stream, for one row
@@ -8,12 +8,14 @@ row-invariant either (exact.py).  This kernel is both: every output y[m, n] is t
 lanes, plus the bias, rounded once to bf16 -- whatever the number of rows M or threads, so a
 k-row verification forward computes each row exactly as a one-row plain decoding forward does.
 Rows are processed 4 at a time against 4 weight rows (the weights are read once per call), with a
-software prefetch of the next 4 weight rows.
+software prefetch of the next 4 weight rows.  CPUs without AVX512-BF16 (AVX2-only AMD EPYCs, most
+laptops, where torch emulates bf16 matmuls) get a second build of the same source: bf16 widened to
+fp32 exactly, fused multiply-adds, 2 rows at a time; row-invariant the same way, rounded differently.
 
 It is C compiled at first use with the system's C compiler into the eaglenest cache (one file per
 source, flags and compiler; an atomic rename, so parallel eval workers may race), and loaded with
 ctypes (the call releases the GIL).  OpenMP threads come from torch's own libgomp (already loaded,
-same soname): one thread pool.  Where it cannot be used (no AVX512-BF16, no compiler, not x86-64
+same soname): one thread pool.  Where it cannot be used (neither ISA, no compiler, not x86-64
 Linux) `load()` says why and the caller keeps `F.linear`.
 """
 
@@ -31,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+# Two builds of one source: AVX512-BF16 (vdpbf16ps) where the CPU has it, else AVX2 + FMA (bf16 widened
+# to fp32 exactly, products exact in fp32).  Each is row-invariant; the two round differently.
+COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512bf16"], "avx2": ["-mavx2", "-mfma"]}
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -47,6 +52,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch do
 
 static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 
+#ifdef __AVX512BF16__
+#define MMAX 4
 /* y[m0:m0+MM, n0:n0+NN] over all of K.  MM and NN are constants at every call site (registers). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
     uint16_t *y, int m0, int n0, int N, int K, const int MM, const int NN) {
@@ -85,16 +92,81 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
       y[(size_t)(m0 + i) * N + n0 + j] = to_bf16(s);
     }
 }
+#else
+/* AVX2 + FMA: 8 bf16 widened to 8 fp32 (exact), fused multiply-add per lane (the product of two bf16 is
+   exact in fp32), one fixed reduction of the 8 lanes.  16 ymm registers: at most 2 rows x 4 weight rows. */
+#define MMAX 2
+static inline __m256 ld8(const uint16_t *p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+    uint16_t *y, int m0, int n0, int N, int K, const int MM, const int NN) {
+  __m256 acc[2][4];
+  int kfull = K / 8 * 8;
+#pragma GCC unroll 2
+  for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) acc[i][j] = _mm256_setzero_ps();
+  for (int k = 0; k < kfull; k += 8) {
+    __m256 wv[4], xv[2];
+    if ((k & 31) == 0) {  /* once per 64-byte line: the next block's rows (see the AVX512 tile) */
+#pragma GCC unroll 4
+      for (int j = 0; j < NN; j++) {
+        int r = n0 + j + 4 < N ? n0 + j + 4 : n0 + j;
+        _mm_prefetch((const char *)(w + (size_t)r * K + k), _MM_HINT_T0);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) wv[j] = ld8(w + (size_t)(n0 + j) * K + k);
+#pragma GCC unroll 2
+    for (int i = 0; i < MM; i++) xv[i] = ld8(x + (size_t)(m0 + i) * K + k);
+#pragma GCC unroll 2
+    for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+      for (int j = 0; j < NN; j++) acc[i][j] = _mm256_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  if (K > kfull) {  /* the tail, zero-padded to 8 (adding 0 * 0 leaves every lane as it was) */
+    uint16_t wt[4][8] = {{0}}, xt[2][8] = {{0}};
+    for (int j = 0; j < NN; j++) memcpy(wt[j], w + (size_t)(n0 + j) * K + kfull, (size_t)(K - kfull) * 2);
+    for (int i = 0; i < MM; i++) memcpy(xt[i], x + (size_t)(m0 + i) * K + kfull, (size_t)(K - kfull) * 2);
+    for (int i = 0; i < MM; i++)
+      for (int j = 0; j < NN; j++) acc[i][j] = _mm256_fmadd_ps(ld8(xt[i]), ld8(wt[j]), acc[i][j]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < MM; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NN; j++) {
+      float s = hsum8(acc[i][j]);
+      if (bias) s += from_bf16(bias[n0 + j]);
+      y[(size_t)(m0 + i) * N + n0 + j] = to_bf16(s);
+    }
+}
+#endif
 
 #define T(MM, NN) tile(x, w, bias, y, m0, n, N, K, MM, NN)
 static void block(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int m0, int mm, int n0, int nn,
                   int N, int K) {
   if (nn == 4) {
     int n = n0;
+#if MMAX == 4
     switch (mm) { case 4: T(4, 4); break; case 3: T(3, 4); break; case 2: T(2, 4); break; default: T(1, 4); }
+#else
+    switch (mm) { case 2: T(2, 4); break; default: T(1, 4); }
+#endif
   } else {
     for (int n = n0; n < n0 + nn; n++)
+#if MMAX == 4
       switch (mm) { case 4: T(4, 1); break; case 3: T(3, 1); break; case 2: T(2, 1); break; default: T(1, 1); }
+#else
+      switch (mm) { case 2: T(2, 1); break; default: T(1, 1); }
+#endif
   }
 }
 
@@ -105,18 +177,30 @@ void eaglenest_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int b = 0; b < blocks; b++) {
     int n0 = b * 4, nn = N - n0 < 4 ? N - n0 : 4;
-    for (int m0 = 0; m0 < M; m0 += 4) block(x, w, bias, y, m0, M - m0 < 4 ? M - m0 : 4, n0, nn, N, K);
+    for (int m0 = 0; m0 < M; m0 += MMAX) block(x, w, bias, y, m0, M - m0 < MMAX ? M - m0 : MMAX, n0, nn, N, K);
   }
 }
 """
 
 
-def _build(cc: str, out: Path) -> None:
+def isa() -> str | None:
+    """Which build this CPU runs ('avx512-bf16', 'avx2') or None."""
+    from eaglenest.utils import cpu_flags
+
+    flags = set(cpu_flags().split())
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def _build(cc: str, flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp) / "gemv.c", Path(tmp) / out.name
         src.write_text(SOURCE)
-        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, str(src), "-o", str(lib)], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
         os.replace(lib, out)  # atomic: a parallel worker sees the whole file or none
@@ -127,10 +211,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     """(the kernel's library, '') or (None, why it cannot be used here)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    from eaglenest.utils import cpu_flags
-
-    if "avx512_bf16" not in cpu_flags():
-        return None, "this CPU has no AVX512-BF16"
+    kind = isa()
+    if kind is None:
+        return None, "this CPU has neither AVX512-BF16 nor AVX2 + FMA"
+    flags = [*ISA_FLAGS[kind], *COMMON]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler (cc/gcc, or $CC)"
@@ -140,11 +224,11 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{cc} --version failed: {e}"
     from eaglenest.models.fetch import cache_root
 
-    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, *version]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"gemv-{key}.so"
+    key = hashlib.sha256("\n".join([SOURCE, *flags, *version]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"gemv-{kind}-{key}.so"
     try:
         if not path.exists():
-            _build(cc, path)
+            _build(cc, flags, path)
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"could not build or load the kernel: {e}"
