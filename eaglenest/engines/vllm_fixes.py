@@ -71,9 +71,11 @@ def register() -> None:
 
     if getattr(cpu_tl._expand_kernel_impl, "__module__", None) == __name__:
         return  # already swapped in this process (vLLM may load plugins more than once)
+    # the probe calls torch.ops._C.expand_kernel_impl: load the kernel library vLLM itself picks for this CPU
+    # (vllm._C is its AVX512-BF16 build: importing it on an AVX2-only CPU kills the server with SIGILL)
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C.expand_kernel_impl, which the probe calls)
-    except ImportError:
+        current_platform.import_kernels()
+    except Exception:  # noqa: BLE001  (whatever it raises, the probe below decides)
         pass
     if fallback_is_broken(cpu_tl._expand_kernel_impl):
         cpu_tl._expand_kernel_impl = expand_kernel_impl
