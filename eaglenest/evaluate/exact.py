@@ -61,7 +61,7 @@ ATTENTION_CHOICES = ("auto", "rowwise", "model")
 LINEAR_CHOICES = ("auto", "kernel", "torch")
 # `--linears auto` takes the gemv kernel for verifications of at most this many rows, per build: where
 # it stops beating torch's batched kernels (bench/results/gemv_rows_cpu*.json)
-GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 8}
+GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 64}
 
 
 def resolve_attention(choice: str, device: str) -> str:
