@@ -3,7 +3,7 @@ CPU without AVX512-BF16)."""
 
 from __future__ import annotations
 
-from gemv_rows import describe
+from _gemv import describe
 
 FILES = ["gemv_rows_cpu_avx2.json"]
 
