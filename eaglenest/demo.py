@@ -125,6 +125,10 @@ def _run(cfg, args) -> int:
 
     meta = _stage("prepare", timings, prepare)
     train_dtype = _train_dtype(P["dtype"], cfg.device)
+    if preset_name == "full" and train_dtype == "fp32":  # said before the long stages, not after
+        print("demo: this CPU has no bf16 matrix instructions (AMX / AVX512-BF16): capture and training run in fp32, "
+              "several times slower than on CPUs with them (README *Demo, measured*, per CPU); `eaglenest demo --quick` "
+              "shows the same pipeline in minutes", file=sys.stderr, flush=True)
     _stage("capture", timings, lambda: _cli(["capture", "--model", model, "--data", str(data), "--out", str(feats), "--device", cfg.device]))
 
     def train():

@@ -73,3 +73,25 @@ def demo_table(runs: list[dict]) -> list[str]:
     row("greedy == plain greedy", lambda x: f"{x['rates']['greedy_matches_baseline']} "
                                             f"({x['rates']['baseline_prompts']} prompts decoded both ways)")
     return rows
+
+
+def probe_row(p: dict) -> str:
+    """One stage probe of bench/demo_time.py as a table row (label, stage, commit, allocator, wall, rate, CPU, RSS)."""
+    if p["stage"] == "capture":
+        rate = f"{p['tokens_per_s']:,.0f} tok/s"
+    elif p["stage"] == "train":
+        rate = f"{p['final_tokens_per_s']:,.0f} tok/s ({p['steps']} steps)"
+    else:
+        rate = (f"{p['spec_tokens_per_s']:.1f} / {p['baseline_tokens_per_s']:.1f} tok/s speculative / plain, "
+                f"τ {p['tau']:.3f} ({p['n_prompts']} prompts)")
+    return (f"| {p['label']} | {p['stage']} | `{p['commit'][:7]}` | {p['allocator']} | {p['wall_seconds']:.1f} s | {rate} | "
+            f"{p['cpu_s']:.0f} s | {p['other_cpu_s']:.0f} s | {p['peak_rss_mb'] / 1024:.1f} GB |")
+
+
+def probe_table(r: dict, file: str, what: str) -> list[str]:
+    """A demo_time.py `collect` file's stage probes: 'CPU: ... (`bench/results/FILE`). WHAT:', the table."""
+    cpu = r["cpu"]
+    return [f"CPU: {cpu['cpu_model']} ({cpu_kind(cpu)}), {cpu['cores']} cores, one session, one command at a time "
+            f"(`bench/results/{file}`). {what}:", "",
+            "| probe | stage | commit | allocator | wall | rate | CPU time | other work meanwhile (CPU) | peak RSS |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|", *(probe_row(p) for p in r["probes"])]

@@ -3,21 +3,9 @@ one machine, and the full demo with it (bench/results/demo_time_malloc.json, ben
 
 from __future__ import annotations
 
-from _fmt import cpu_kind, demo_table
+from _fmt import demo_table, probe_table
 
 FILES = ["demo_time_malloc.json"]
-
-
-def _probe_row(p: dict) -> str:
-    if p["stage"] == "capture":
-        rate = f"{p['tokens_per_s']:,.0f} tok/s"
-    elif p["stage"] == "train":
-        rate = f"{p['final_tokens_per_s']:,.0f} tok/s ({p['steps']} steps)"
-    else:
-        rate = (f"{p['spec_tokens_per_s']:.1f} / {p['baseline_tokens_per_s']:.1f} tok/s speculative / plain, "
-                f"τ {p['tau']:.3f} ({p['n_prompts']} prompts)")
-    return (f"| {p['label']} | {p['stage']} | `{p['commit'][:7]}` | {p['allocator']} | {p['wall_seconds']:.1f} s | {rate} | "
-            f"{p['cpu_s']:.0f} s | {p['other_cpu_s']:.0f} s | {p['peak_rss_mb'] / 1024:.1f} GB |")
 
 
 def _kept(p: dict) -> bool:
@@ -42,14 +30,9 @@ def pairs(probes: list[dict]) -> dict[str, list[float]]:
 
 def render(results: dict[str, dict]) -> str:
     r = results["demo_time_malloc.json"]
-    cpu = r["cpu"]
-    out = [f"CPU: {cpu['cpu_model']} ({cpu_kind(cpu)}), {cpu['cores']} cores, one session, one command at a time "
-           f"(`bench/results/demo_time_malloc.json`). Stage probes, run in the order listed (capture: the demo's first "
-           f"150 conversations; train: the demo recipe's first steps on the demo's store, one held-out evaluation; eval: "
-           f"the first MT-bench prompts, each decoded speculatively and plainly, with the full demo's draft):", "",
-           "| probe | stage | commit | allocator | wall | rate | CPU time | other work meanwhile (CPU) | peak RSS |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|"]
-    out += [_probe_row(p) for p in r["probes"]]
+    out = probe_table(r, "demo_time_malloc.json", "Stage probes, run in the order listed (capture: the demo's first 150 "
+                      "conversations; train: the demo recipe's first steps on the demo's store, one held-out evaluation; "
+                      "eval: the first MT-bench prompts, each decoded speculatively and plainly, with the full demo's draft)")
     ch = pairs(r["probes"])
     out += ["", "Wall time with the heap kept vs glibc's defaults, adjacent pairs: " + "; ".join(
         f"{stage} " + ", ".join(f"{x:+.1f} %" for x in xs) for stage, xs in ch.items()) + "."]
