@@ -1,17 +1,19 @@
 """Which of CI's CPU kinds this machine is, read from /proc/cpuinfo's flags (never a model string):
-CI runs on Intel Xeons with AMX and on AMD EPYCs with AVX-512 BF16 and no AMX.  On those, the
-greedy-exactness probe is expected to pass, so a test that relies on it fails there instead of
-skipping; anywhere else (another CPU, no /proc) it may skip, saying why."""
+CI runs on Intel Xeons with AMX and on AMD EPYCs with AVX-512 BF16 and no AMX, and sessions have
+also been given AMD EPYCs with AVX2 and no AVX-512 at all (Zen 3), so CI may be too.  On those, the
+greedy-exactness probe is expected to pass (it did on each, the AVX2 one with the gemv kernel's AVX2
+build), so a test that relies on it fails there instead of skipping; anywhere else (another CPU, no
+/proc) it may skip, saying why."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-CI_KINDS = ("intel-amx", "amd-avx512-bf16")
+CI_KINDS = ("intel-amx", "amd-avx512-bf16", "amd-avx2")
 
 
 def cpu_kind(cpuinfo: str | None = None) -> str | None:
-    """'intel-amx', 'amd-avx512-bf16' or None (not a CI kind, or unknown)."""
+    """'intel-amx', 'amd-avx512-bf16', 'amd-avx2' or None (not a CI kind, or unknown)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -26,6 +28,8 @@ def cpu_kind(cpuinfo: str | None = None) -> str | None:
         return "intel-amx"
     if fields.get("vendor_id") == "AuthenticAMD" and "avx512_bf16" in flags:
         return "amd-avx512-bf16"
+    if fields.get("vendor_id") == "AuthenticAMD" and {"avx2", "fma"} <= flags and "avx512f" not in flags:
+        return "amd-avx2"
     return None
 
 

@@ -4,7 +4,7 @@ exact-verification probe (evaluate/exact.py) on a kernel made batch-dependent in
 
 Greedy equivalence relies on exact.prepare's probe finding verification bit-identical to plain
 decoding on this machine.  On the CPUs CI runs on (Intel with AMX, AMD EPYC with AVX-512 BF16 and
-no AMX; tests/cpu_kind.py reads /proc/cpuinfo's flags) that is expected, and a "not exact" fails
+no AMX, AMD EPYC with AVX2 only; tests/cpu_kind.py reads /proc/cpuinfo's flags) that is expected, and a "not exact" fails
 the exact_tiny / tiny_bf16_exact fixtures; on any other CPU they skip, naming the difference.
 Tests that compare with a tolerance use the model either way."""
 
@@ -54,7 +54,9 @@ def test_cpu_kind_reads_the_flags():
     intel = "vendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
     amd = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512f avx512_bf16\n"
     assert cpu_kind(intel) == "intel-amx" and cpu_kind(amd) == "amd-avx512-bf16"
-    assert cpu_kind("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n") is None
+    assert cpu_kind("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma\n") == "amd-avx2"
+    assert cpu_kind("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n") is None  # no FMA: not a kind seen
+    assert cpu_kind("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma avx512f\n") is None  # AVX-512 without BF16
     assert cpu_kind("vendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f avx512_bf16\n") is None  # BF16 without AMX
 
 
