@@ -12,8 +12,8 @@ from pathlib import Path
 CI_KINDS = ("intel-amx", "amd-avx512-bf16", "amd-avx2")
 
 
-def cpu_kind(cpuinfo: str | None = None) -> str | None:
-    """'intel-amx', 'amd-avx512-bf16', 'amd-avx2' or None (not a CI kind, or unknown)."""
+def _first_processor(cpuinfo: str | None) -> dict[str, str] | None:
+    """The first processor's fields of /proc/cpuinfo (or of `cpuinfo`); None where there is none."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -22,7 +22,15 @@ def cpu_kind(cpuinfo: str | None = None) -> str | None:
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first processor's
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str | None:
+    """'intel-amx', 'amd-avx512-bf16', 'amd-avx2' or None (not a CI kind, or unknown)."""
+    fields = _first_processor(cpuinfo)
+    if fields is None:
+        return None
     flags = set(fields.get("flags", "").split())
     if "amx_tile" in flags:
         return "intel-amx"
@@ -36,14 +44,8 @@ def cpu_kind(cpuinfo: str | None = None) -> str | None:
 def bf16_matrix_cpu(cpuinfo: str | None = None) -> bool:
     """Whether the first processor lists AMX-BF16 or AVX512-BF16 (read here, not by eaglenest: a test of
     eaglenest's dtype choice must not borrow its reader)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    fields = _first_processor(cpuinfo) or {}
+    return bool(set(fields.get("flags", "").split()) & {"amx_bf16", "avx512_bf16"})
 
 
 def require_exact_on_ci_cpus(verification: dict, kind: str | None = None) -> None:

@@ -51,10 +51,11 @@ def _run(cfg, args) -> int:
     except (KeyError, TypeError, ValueError):
         raise EaglenestError(f"{path}/config.json: no integer hidden_size / num_hidden_layers (nor in text_config)") from None
     layer_ids = parse_layer_ids(cfg.layers, n_layers)  # the plan's size depends on how many
-    # auto asks for bf16's precision (fp32 only where bf16 is slow here), so the store follows bf16
+    # auto asks for bf16's precision (fp32 only where bf16 is slow here): the store and the states follow it
+    precision = "bf16" if cfg.dtype == "auto" else cfg.dtype
     run_dtype, dtype_why = auto_dtype(cfg.dtype, getattr(args, "device", "auto"), cfg.engine)
-    store_dtype, why = resolve_store_dtype(cfg.store_dtype, "bf16" if cfg.dtype == "auto" else cfg.dtype, hidden)
-    if cfg.dtype == "auto" and run_dtype != "bf16":  # fp32 for speed only: hand on bf16 states, as a bf16 run would
+    store_dtype, why = resolve_store_dtype(cfg.store_dtype, precision, hidden)
+    if run_dtype != precision:  # fp32 for speed only: hand on bf16 states, as a bf16 run would
         args.states_dtype = torch.bfloat16
     cfg.dtype = args.dtype = run_dtype  # the engine reads args
     block = fp8_block_for(hidden, cfg.fp8_block) if is_fp8(store_dtype) else None

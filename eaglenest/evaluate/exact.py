@@ -331,24 +331,24 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         raise EaglenestError(f"--linears must be one of {', '.join(LINEAR_CHOICES)} (got {linears!r})")
     mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
             and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    limit = GEMV_AUTO_MAX_ROWS.get(gemv.isa(), 0)
+    isa = gemv.isa()
     if linears == "torch":
         why = "--linears torch"
     elif not mods:
         why = "no bf16 CPU Linear layers"
-    elif why := gemv.load()[1]:
-        pass
-    elif linears == "auto" and max_rows > limit:
-        why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's batched "
-               f"kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
+    else:
+        why = gemv.load()[1]
+        if not why and linears == "auto" and max_rows > (limit := GEMV_AUTO_MAX_ROWS[isa]):
+            why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's "
+                   f"batched kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
     if why:
         if linears == "kernel":
             raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
         return {"kernel": "torch", "why": why}
     for m in mods:
         set_kernel(m, max_rows)
-    return {"kernel": "eaglenest-gemv", "isa": gemv.isa(), "modules": len(mods), "max_rows": max_rows,
-            "why": f"row-invariant by construction (each output one fixed sequence of {gemv.isa()} instructions) "
+    return {"kernel": "eaglenest-gemv", "isa": isa, "modules": len(mods), "max_rows": max_rows,
+            "why": f"row-invariant by construction (each output one fixed sequence of {isa} instructions) "
                    "and faster than torch's bf16 matrix-vector products on a CPU"}
 
 

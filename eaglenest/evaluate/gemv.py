@@ -52,6 +52,12 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch do
 
 static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 
+/* y[m, n] from its fp32 sum over K: + bias, rounded once to bf16 (both builds) */
+static inline void put(uint16_t *y, const uint16_t *bias, int m, int n, int N, float s) {
+  if (bias) s += from_bf16(bias[n]);
+  y[(size_t)m * N + n] = to_bf16(s);
+}
+
 #ifdef __AVX512BF16__
 #define MMAX 4
 /* y[m0:m0+MM, n0:n0+NN] over all of K.  MM and NN are constants at every call site (registers). */
@@ -86,11 +92,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
 #pragma GCC unroll 4
   for (int i = 0; i < MM; i++)
 #pragma GCC unroll 4
-    for (int j = 0; j < NN; j++) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
-      if (bias) s += from_bf16(bias[n0 + j]);
-      y[(size_t)(m0 + i) * N + n0 + j] = to_bf16(s);
-    }
+    for (int j = 0; j < NN; j++) put(y, bias, m0 + i, n0 + j, N, _mm512_reduce_add_ps(acc[i][j]));
 }
 #else
 /* AVX2 + FMA: 8 bf16 widened to 8 fp32 (exact), fused multiply-add per lane (the product of two bf16 is
@@ -142,11 +144,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
 #pragma GCC unroll 2
   for (int i = 0; i < MM; i++)
 #pragma GCC unroll 4
-    for (int j = 0; j < NN; j++) {
-      float s = hsum8(acc[i][j]);
-      if (bias) s += from_bf16(bias[n0 + j]);
-      y[(size_t)(m0 + i) * N + n0 + j] = to_bf16(s);
-    }
+    for (int j = 0; j < NN; j++) put(y, bias, m0 + i, n0 + j, N, hsum8(acc[i][j]));
 }
 #endif
 
@@ -183,8 +181,9 @@ void eaglenest_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
 """
 
 
+@functools.cache
 def isa() -> str | None:
-    """Which build this CPU runs ('avx512-bf16', 'avx2') or None."""
+    """Which build this CPU runs ('avx512-bf16', 'avx2') or None (read once per process)."""
     from eaglenest.utils import cpu_flags
 
     flags = set(cpu_flags().split())
