@@ -8,7 +8,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # a benchmark's --results-dir may point it elsewhere
+_TRACKED_RESULTS = RESULTS  # the repo's own results folder, excluded from the dirty check wherever RESULTS points
 
 
 def machine() -> dict:
@@ -29,7 +30,7 @@ def git_state() -> dict:
         return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS.relative_to(root)}")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){_TRACKED_RESULTS.relative_to(root)}")
         return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed

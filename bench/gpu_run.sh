@@ -9,6 +9,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl specforge==0.2.0
+#   (and pytest's wheels for an image without it: the same flags with `pytest pluggy iniconfig packaging pygments`)
 #
 # Then, through the device tool:  run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=600)
 # What comes back from $OUT (the tool returns at most 8 files): results.tgz (every result JSON;
@@ -42,6 +43,11 @@ if ls .whl/specforge-*.whl >/dev/null 2>&1; then
   "$PY" -c "import specforge.algorithms.eagle3.model, specforge.optimizer; print('specforge importable')" 2>&1 | tail -1 | tee -a "$LOG"
 else
   say "no .whl/specforge-*.whl carried: SpecForge runs will record the import error"
+fi
+# the image may lack pytest (the numerics check): its wheels ride in .whl too, installed only where missing
+if ! "$PY" -c "import pytest" 2>/dev/null && ls .whl/pytest-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-cache-dir --find-links .whl --target /tmp/site-pytest pytest 2>&1 | tail -2 | tee -a "$LOG"
+  export PYTHONPATH="$PYTHONPATH:/tmp/site-pytest"
 fi
 
 # run CAP_S NAME CMD...: with a timeout of min(CAP_S, budget left - 10 s); skipped below 45 s
