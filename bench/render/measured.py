@@ -104,6 +104,33 @@ def vllm_t1(r, draft="the quick demo's"):
             f"{seq(x['accept_per_position_vllm'], 3)} vs {seq(x['accept_per_position_ours'], 3)}")
 
 
+def gpu_train_step(*rs):
+    """eaglenest vs SpecForge 0.2.0 on the same inputs, where SpecForge ran; ours alone past that."""
+    cells = []
+    for r in rs:
+        o = r["ours"]
+        if "specforge" in r:
+            f = r["specforge"]
+            cells.append(f"T {r['seq']:,}: {num(o['tokens_per_s'])} vs {num(f['tokens_per_s'])} tok/s (**{r['speedup']:.2f}x**), "
+                         f"peak {o['peak_gib']:.1f} vs {f['peak_gib']:.1f} GiB")
+        else:
+            cells.append(f"T {r['seq']:,}: ours {num(o['tokens_per_s'])} tok/s, peak {o['peak_gib']:.1f} GiB"
+                         f"{' (per-step recompute)' if r['ours_detail']['recompute'] else ''}, SpecForge not run at this length")
+    r = rs[0]
+    v = r["versions"]
+    return (f"training step on {r['device']}, Llama-3-8B-shaped draft (TTT {r['ttt']}, draft vocab {r['shape_dims']['Vd']:,}), "
+            f"one sequence: eaglenest (compiled flex) vs SpecForge {v['specforge']} (its flex attention), same inputs, "
+            f"median of {'–'.join(str(n) for n in sorted({x['steps'] for x in rs}))} steps after {r['warmup']} warm-up, torch {v['torch']}",
+            "; ".join(cells))
+
+
+def capture_gpu(r):
+    return (f"capture vs plain forward on {r['device']} ({r['target'].split(',')[0]} at Llama-3-8B size, {r['dtype']}, "
+            f"{r['samples']} samples, {num(r['tokens'])} tokens, layers {', '.join(map(str, r['layer_ids']))})",
+            f"{num(r['capture_tokens_per_s'])} vs {num(r['plain_forward_tokens_per_s'])} tok/s ({r['ratio']:.3f}x); with the "
+            f"device→host copy overlapped {num(r['overlap_capture_tokens_per_s'])} (**{r['overlap_ratio']:.3f}x**); peak {r['peak_gib']:.1f} GiB")
+
+
 ROWS = [
     (["capture_cpu.json"], capture),
     (["train_step_cpu_smollm2_512.json", "train_step_cpu_smollm2_1024.json", "train_step_cpu_smollm2_2048.json"], train_step),
@@ -116,11 +143,14 @@ ROWS = [
     (["vllm_agreement_t1_quick.json"], vllm_t1),
     (["vllm_agreement_t1_quick_argmax.json"], vllm_t1),
     (["vllm_agreement_t1_demo.json"], lambda r: vllm_t1(r, draft="the full demo recipe's, arm l-ce of losses.json")),
+    (["train_step_cuda_llama8b_2048.json", "train_step_cuda_llama8b_8192.json", "train_step_cuda_llama8b_32768.json",
+      "train_step_cuda_llama8b_131072.json"], gpu_train_step),
+    (["capture_gpu_llama8b.json"], capture_gpu),
 ]
 FILES = [f for files, _ in ROWS for f in files]
 NOT_MEASURED = [
-    "| GPU (H200) vs SpecForge | **not measured**: no GPU was lent to a session yet; `bench/gpu_run.sh` is the prepared "
-    "one-call script | — |",
+    "| training step at T 65,536 on the H200; SpecForge past T 32,768 | **not measured** (the one-call GPU run's budget "
+    "ran out before it) | — |",
 ]
 
 
