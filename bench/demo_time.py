@@ -332,7 +332,15 @@ def _watch_run(args, p, sha, label, cmd, out, log, t0, started, busy0, alloc: st
 
 # --- probes: one stage's command at a commit -----------------------------------------------------
 DEMO_TRAIN = ["--ttt-steps", "3", "--draft-vocab", "8192", "--lr", "0.001", "--epochs", "2", "--batch-tokens", "1024",
-              "--eval-fraction", "0.05", "--dtype", "bf16"]  # the full preset's train flags (eaglenest/demo.py)
+              "--eval-fraction", "0.05"]  # the full preset's train flags (eaglenest/demo.py); --dtype: demo_train_dtype()
+
+
+def demo_train_dtype() -> str:
+    """The dtype the demo trains in on this CPU (bf16 autocast where the CPU has bf16 matrix
+    instructions, fp32 elsewhere), read from the demo's own rule, not repeated here."""
+    from eaglenest.demo import PRESETS, _train_dtype
+
+    return _train_dtype(PRESETS["full"]["dtype"], "cpu")
 DEMO_EVAL = ["--bench", "mtbench", "--steps", "3", "--topk", "1", "--temperature", "0", "--max-new-tokens", "128",
              "--workers", "2"]
 
@@ -352,7 +360,7 @@ def probe(args) -> int:
                 "--limit", str(args.limit)]
     elif args.stage == "train":
         argv = ["train", "--model", model, "--features", args.features, "--out", str(tmp / "run"), "--device", "cpu",
-                *DEMO_TRAIN, "--max-steps", str(args.steps), "--eval-every", str(args.steps)]
+                *DEMO_TRAIN, "--dtype", demo_train_dtype(), "--max-steps", str(args.steps), "--eval-every", str(args.steps)]
     else:
         argv = ["eval", "--model", model, "--draft", args.draft, "--out", str(tmp / "report.json"), "--device", "cpu",
                 *DEMO_EVAL, "--limit", str(args.limit), "--baseline-limit", str(args.limit)]

@@ -118,7 +118,7 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, smol_data, benc
     target = tiny_deepseek(tmp_path / "dsv3", smollm2)
     amx = cpu_kind() == "intel-amx"
     # the whole vocabulary: a random target's next tokens are not the data's frequent ones
-    draft = train_draft(target, smol_data, tmp_path, {"steps": 150, "draft_attention": "mla", "draft_vocab": 49152})
+    draft = train_draft(target, smol_data, tmp_path, {"steps": 50, "draft_attention": "mla", "draft_vocab": 49152})
     raw = json.loads((draft / "config.json").read_text())
     assert raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and raw["kv_lora_rank"] + raw["qk_rope_head_dim"] == 576
     if not amx:
