@@ -35,7 +35,7 @@ XDIST_GROUPS = {
     "tests/test_sglang_live_deepseek.py": "sglang",
     "tests/test_sglang_live_serve.py": "sglang",
 }
-# the longest groups first (measured under two workers on an Intel AMX machine: the draft kinds' file
+# the longest groups first (measured under two workers on an Intel AMX machine, before the MLA test trained 50 steps instead of 150: the draft kinds' file
 # ~31 min, the quick demo's users ~26, the SGLang files ~15, DFlash's and the vLLM family's ~5-8):
 # each worker takes the next one as it frees up, so no long file is left to run alone at the end
 XDIST_FIRST = ("tests/test_vllm_live_kinds.py", "quick_demo", "sglang", "tests/test_vllm_live_dflash.py", "tests/test_family_vllm.py")

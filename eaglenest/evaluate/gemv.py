@@ -10,7 +10,8 @@ k-row verification forward computes each row exactly as a one-row plain decoding
 Rows are processed 4 at a time against 4 weight rows (the weights are read once per call), with a
 software prefetch of the next 4 weight rows.  CPUs without AVX512-BF16 (AVX2-only AMD EPYCs, most
 laptops, where torch emulates bf16 matmuls) get a second build of the same source: bf16 widened to
-fp32 exactly, fused multiply-adds, 2 rows at a time; row-invariant the same way, rounded differently.
+fp32 exactly, fused multiply-adds, 2 rows x 4 weight rows at a time (one row: x 8); row-invariant the same way,
+rounded differently.
 
 It is C compiled at first use with the system's C compiler into the eaglenest cache (one file per
 source, flags and compiler; an atomic rename, so parallel eval workers may race), and loaded with
@@ -96,8 +97,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
 }
 #else
 /* AVX2 + FMA: 8 bf16 widened to 8 fp32 (exact), fused multiply-add per lane (the product of two bf16 is
-   exact in fp32), one fixed reduction of the 8 lanes.  16 ymm registers: at most 2 rows x 4 weight rows. */
+   exact in fp32), one fixed reduction of the 8 lanes.  16 ymm registers: at most 2 rows x 4 weight rows,
+   or 1 row x 8 weight rows (one-row calls: 8 independent FMA chains hide the FMA's latency, which 4 do
+   not; each output's own chain is the same in every tile, so the results are too). */
 #define MMAX 2
+#define NWIDE 8
 static inline __m256 ld8(const uint16_t *p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -110,32 +114,32 @@ static inline float hsum8(__m256 v) {
 
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
     uint16_t *y, int m0, int n0, int N, int K, const int MM, const int NN) {
-  __m256 acc[2][4];
+  __m256 acc[2][NWIDE];
   int kfull = K / 8 * 8;
 #pragma GCC unroll 2
   for (int i = 0; i < MM; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NN; j++) acc[i][j] = _mm256_setzero_ps();
   for (int k = 0; k < kfull; k += 8) {
-    __m256 wv[4], xv[2];
+    __m256 wv[NWIDE], xv[2];
     if ((k & 31) == 0) {  /* once per 64-byte line: the next block's rows (see the AVX512 tile) */
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NN; j++) {
-        int r = n0 + j + 4 < N ? n0 + j + 4 : n0 + j;
+        int r = n0 + j + NN < N ? n0 + j + NN : n0 + j;
         _mm_prefetch((const char *)(w + (size_t)r * K + k), _MM_HINT_T0);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NN; j++) wv[j] = ld8(w + (size_t)(n0 + j) * K + k);
 #pragma GCC unroll 2
     for (int i = 0; i < MM; i++) xv[i] = ld8(x + (size_t)(m0 + i) * K + k);
 #pragma GCC unroll 2
     for (int i = 0; i < MM; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NN; j++) acc[i][j] = _mm256_fmadd_ps(xv[i], wv[j], acc[i][j]);
   }
   if (K > kfull) {  /* the tail, zero-padded to 8 (adding 0 * 0 leaves every lane as it was) */
-    uint16_t wt[4][8] = {{0}}, xt[2][8] = {{0}};
+    uint16_t wt[NWIDE][8] = {{0}}, xt[2][8] = {{0}};
     for (int j = 0; j < NN; j++) memcpy(wt[j], w + (size_t)(n0 + j) * K + kfull, (size_t)(K - kfull) * 2);
     for (int i = 0; i < MM; i++) memcpy(xt[i], x + (size_t)(m0 + i) * K + kfull, (size_t)(K - kfull) * 2);
     for (int i = 0; i < MM; i++)
@@ -143,7 +147,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
   }
 #pragma GCC unroll 2
   for (int i = 0; i < MM; i++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NN; j++) put(y, bias, m0 + i, n0 + j, N, hsum8(acc[i][j]));
 }
 #endif
@@ -171,6 +175,18 @@ static void block(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
 /* y[M, N] = x[M, K] w[N, K]^T (+ bias[N]); bf16 in and out, fp32 accumulation.  Contiguous rows. */
 void eaglenest_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                          int threads) {
+#ifdef NWIDE
+  if (M == 1) {  /* one row, NWIDE weight rows a tile; the rest of N as in any call */
+    int wide = N / NWIDE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int b = 0; b <= wide; b++) {
+      int m0 = 0, n = b * NWIDE;
+      if (b < wide) T(1, NWIDE);
+      else for (; n < N; n += 4) block(x, w, bias, y, 0, 1, n, N - n < 4 ? N - n : 4, N, K);
+    }
+    return;
+  }
+#endif
   int blocks = (N + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int b = 0; b < blocks; b++) {
