@@ -16,9 +16,10 @@
 # repacked after each run, so a cut-short call still returns what finished), gpu_run.log,
 # summary.txt.  Unpack results.tgz into bench/results/ and commit.
 #
-# Order = value: the CUDA numerics check of flex, 2048 and 8192 with both implementations (fresh
-# process per implementation and length; SpecForge's first step compiles its block masks), 131072
-# ours, the capture measurement, 32768 both, 65536 ours.  Each run gets min(its cap, what is left of BUDGET_S); out-of-memory and
+# Order = value (the first run, 2026-12-04, measured 2048/8192/32768 both, 131072 ours, the capture; 65536
+# did not fit): the CUDA numerics check of flex, 8192 both (fresh process per implementation and length;
+# SpecForge's first step compiles its block masks), ours with --logits-checkpoint off at 8192 and 32768,
+# 2048 both, 65536 ours, the capture, 131072 ours, 32768 both.  Each run gets min(its cap, what is left of BUDGET_S); out-of-memory and
 # timeouts are recorded as the reason in the JSON, and a run that no longer fits is skipped.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,13 +69,16 @@ else SHAPE=llama8b; S=(2048 8192 32768 131072 65536); CAP="--shape llama8b --sam
 TS="bench/train_step.py --shape $SHAPE --ttt 7 --results-dir $RES"
 # 1. the fast path on CUDA: compiled flex (gradients through the log-sum-exp) == eager
 run 60 numerics "$PY" -m pytest -q -x tests/test_fastpath.py -k "cuda and flex" -p no:cacheprovider
-# 2. both implementations where SpecForge runs; ours alone past its OOM (65536 in the anchor)
-run 280 seq${S[0]} "$PY" $TS --impl both --seq ${S[0]} --steps 3 --warmup 1 --timeout 100 --timeout-specforge 170
+# 2. both implementations at 8192 (measured 0.82x SpecForge on 2026-12-04), then ours keeping its draft logits
+#    for backward instead of recomputing them (--logits-checkpoint off: the suspected gap), at 8192 and 32768
 run 280 seq${S[1]} "$PY" $TS --impl both --seq ${S[1]} --steps 3 --warmup 1 --timeout 100 --timeout-specforge 170
-run 160 seq${S[3]} "$PY" $TS --impl ours --seq ${S[3]} --steps 2 --warmup 1 --timeout 150
-run 100 capture    "$PY" bench/capture_gpu.py $CAP --results-dir "$RES"
-run 280 seq${S[2]} "$PY" $TS --impl both --seq ${S[2]} --steps 2 --warmup 1 --timeout 100 --timeout-specforge 170
+run 80 seq${S[1]}-logits-off "$PY" $TS --impl ours --seq ${S[1]} --steps 3 --warmup 1 --timeout 70 --logits-checkpoint off
+run 100 seq${S[2]}-logits-off "$PY" $TS --impl ours --seq ${S[2]} --steps 2 --warmup 1 --timeout 90 --logits-checkpoint off
+run 280 seq${S[0]} "$PY" $TS --impl both --seq ${S[0]} --steps 3 --warmup 1 --timeout 100 --timeout-specforge 170
 run 110 seq${S[4]} "$PY" $TS --impl ours --seq ${S[4]} --steps 2 --warmup 1 --timeout 100
+run 100 capture    "$PY" bench/capture_gpu.py $CAP --results-dir "$RES"
+run 160 seq${S[3]} "$PY" $TS --impl ours --seq ${S[3]} --steps 2 --warmup 1 --timeout 150
+run 280 seq${S[2]} "$PY" $TS --impl both --seq ${S[2]} --steps 2 --warmup 1 --timeout 100 --timeout-specforge 170
 
 # summary table (last lines of the call's output)
 "$PY" - "$RES" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
@@ -84,8 +88,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "train_step_*.json")), key=l
     r = json.load(open(f))
     o, s = r.get("ours", {}), r.get("specforge", {})
     fmt = lambda d: f"{d['tokens_per_s']:>9.0f} {d['peak_gib']:>7.1f}" if "tokens_per_s" in d else f"{str(d.get('reason', '-'))[:40]:>17}"
-    rows.append(f"{r['seq']:>7} | ours {fmt(o)} | specforge {fmt(s)} | x{r.get('speedup', '-')}")
-print("    seq |      tok/s  peakGiB |           tok/s  peakGiB | speedup")
+    ck = {True: "on", False: "off"}.get(r.get("ours_detail", {}).get("logits_checkpoint"), "-")
+    rows.append(f"{r['seq']:>7} {ck:>5} | ours {fmt(o)} | specforge {fmt(s)} | x{r.get('speedup', '-')}")
+print("    seq ckpt |      tok/s  peakGiB |           tok/s  peakGiB | speedup")
 print("\n".join(rows))
 for f in glob.glob(os.path.join(sys.argv[1], "skipped.jsonl")):
     print("skipped:", open(f).read().strip().replace("\n", "; "))

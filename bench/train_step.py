@@ -103,7 +103,7 @@ def make_inputs(shape: str, T: int, device: str, seed: int = 0):
 
 
 # --- one implementation in this process --------------------------------------------------------
-def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
+def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoint_logits=None):
     import torch
 
     from eaglenest.draft.model import DraftConfig, Eagle3Draft
@@ -140,13 +140,14 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
     from eaglenest.draft.kernels import causal_kernel
 
     kernel = causal_kernel(attn_impl)  # one kernel for the run, as the trainer holds it (flex compiles once)
+    ckpt = cuda if checkpoint_logits is None else checkpoint_logits  # the trainer's --logits-checkpoint auto
 
     def step():
         opt.zero_grad(set_to_none=True)
         trows = teacher.targets(last.reshape(-1, H))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
             loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom,
-                                  chunk=chunk, checkpoint_logits=cuda, attn_impl=kernel, recompute=recompute)
+                                  chunk=chunk, checkpoint_logits=ckpt, attn_impl=kernel, recompute=recompute)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -301,8 +302,9 @@ def worker(a) -> dict:
                 s = SHAPES[a.shape]
                 est = estimate_activation_bytes(type("C", (), {"hidden_size": s["H"], "intermediate_size": s["I"]})(), a.seq, a.ttt)
                 rec = bool(cuda and est > 0.5 * torch.cuda.mem_get_info()[0])
-            out.update(attn=attn, recompute=rec, logits_chunk=a.logits_chunk)
-            step = build_ours(a.shape, a.seq, a.ttt, dev, inp, attn, rec, a.logits_chunk)
+            ckpt = {"auto": cuda, "on": True, "off": False}[a.logits_checkpoint]
+            out.update(attn=attn, recompute=rec, logits_chunk=a.logits_chunk, logits_checkpoint=ckpt)
+            step = build_ours(a.shape, a.seq, a.ttt, dev, inp, attn, rec, a.logits_chunk, ckpt)
         del inp
         out["setup_s"] = round(time.perf_counter() - t0, 1)
         out["rss_after_setup_gib"] = round(rss_gib(), 3)
@@ -389,6 +391,7 @@ def run_child(a, impl: str, seq: int, attn_impl: str, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--json-out", path, "--shape", a.shape,
            "--seq", str(seq), "--ttt", str(a.ttt), "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--attn-impl", attn_impl, "--recompute", a.recompute, "--logits-chunk", str(a.logits_chunk),
+           "--logits-checkpoint", a.logits_checkpoint,
            "--baseline-rss", str(a.baseline_rss), "--threads", str(a.threads)]
     t = time.perf_counter()
     try:
@@ -424,6 +427,9 @@ def main() -> None:
     ap.add_argument("--attn-impl", default="auto", help="ours: flex (CUDA default) | sdpa (CPU bf16 default) | chunked | eager")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "layer"])
     ap.add_argument("--logits-chunk", type=int, default=0, help="0: 4096 on CUDA, 1024 on CPU")
+    ap.add_argument("--logits-checkpoint", default="auto", choices=["auto", "on", "off"],
+                    help="ours: recompute the draft logits in backward (auto: on CUDA, as the trainer); a run with "
+                         "on/off writes train_step_..._logits-<on|off>.json")
     ap.add_argument("--compare-eager", action="store_true", help="also run ours with attn eager (the reference path)")
     ap.add_argument("--specforge-max-seq", type=int, default=49152,
                     help="skip SpecForge above this length (anchor: OOM at 65536 on an H200); the skip is recorded")
@@ -484,6 +490,8 @@ def main() -> None:
         }
         dev = "cuda" if cuda else "cpu"
         name = a.name.format(seq=seq) if a.name else f"train_step_{dev}_{a.shape}_{seq}"
+        if a.logits_checkpoint != "auto" and not a.name:
+            name += f"_logits-{a.logits_checkpoint}"
         if a.impl in ("ours", "both"):
             r = run_child(a, "ours", seq, a.attn_impl, a.timeout)
             result["ours"], result["ours_detail"] = summary(r), r

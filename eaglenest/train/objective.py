@@ -42,11 +42,14 @@ class Eagle3Objective:
     ce, kl, tv, nla, lk_hybrid or a mix), each step weighted step_decay^j."""
 
     def __init__(self, teacher, ttt_steps: int, *, device: str, autocast: bool, attn, logits_chunk: int,
-                 recompute, argmax_room: int, loss: LossSpec = LossSpec(), step_decay: float = 0.8):
+                 recompute, argmax_room: int, loss: LossSpec = LossSpec(), step_decay: float = 0.8,
+                 checkpoint_logits: bool | None = None):
         self.teacher, self.positions = teacher, ttt_steps
         self.device, self.autocast, self.attn, self.logits_chunk, self.recompute = device, autocast, attn, logits_chunk, recompute
         self.loss, self.step_decay = loss, step_decay
         self.device_type = "cuda" if device.startswith("cuda") else "cpu"
+        # None: on CUDA (GPU memory is the limit; CPU RAM is not)
+        self.checkpoint_logits = self.device_type == "cuda" if checkpoint_logits is None else checkpoint_logits
         # micro-batch -> the target's argmax (int32) and, when computed, log-mass (fp32) per position
         # (host RAM), reused by later epochs (and evaluations); at most `argmax_room` tokens
         self._argmax: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -92,7 +95,7 @@ class Eagle3Objective:
                 denom.to(dev),
                 step_decay=self.step_decay,
                 chunk=chunk_rows(self.logits_chunk or (4096 if cuda else 1024), model.cfg.draft_vocab_size),
-                checkpoint_logits=cuda,  # GPU memory is the limit; CPU RAM is not
+                checkpoint_logits=self.checkpoint_logits,
                 attn_impl=self.attn,
                 recompute=self.recompute(B * T),
                 loss=self.loss,
@@ -275,5 +278,6 @@ def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, rec
                                decay=cfg.dflash_decay, loss=cfg.dflash_loss, dpace_alpha=cfg.dpace_alpha,
                                logits_chunk=cfg.logits_chunk)
     return Eagle3Objective(teacher, cfg.ttt_steps, device=device, autocast=autocast, attn=attn, logits_chunk=cfg.logits_chunk,
-                           recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay)
+                           recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay,
+                           checkpoint_logits={"auto": None, "on": True, "off": False}[cfg.logits_checkpoint])
 
