@@ -73,8 +73,10 @@ def test_faults_are_retried_or_recorded_and_a_rerun_completes(smollm2, data_dir,
     transient = {ids[0]: ("503", 2), ids[1]: ("reset", 1), ids[2]: ("timeout", 1)}
     persistent = {ids[4]: ("echo", None), ids[5]: ("nan", None), ids[6]: ("503", None)}
     out = tmp_path / "faulty"
-    with FlakyProxy(server, {key[s]: f for s, f in {**transient, **persistent}.items()}, hold=30.0) as proxy:
-        with VLLMEngine(str(smollm2), dtype="bf16", urls=[proxy.url], concurrency=3, retries=6, timeout=10.0) as e:
+    # timeout: well above a real request's latency on a loaded 2-core CPU without bf16 instructions (10 s was
+    # not: a sample timed out 6 times in a row there under `make test`), well below the hang's hold
+    with FlakyProxy(server, {key[s]: f for s, f in {**transient, **persistent}.items()}, hold=90.0) as proxy:
+        with VLLMEngine(str(smollm2), dtype="bf16", urls=[proxy.url], concurrency=3, retries=6, timeout=30.0) as e:
             s = run_capture(e, data, out, dtype="bf16")
             stats = e.request_stats()
         seen = {sid: proxy.seen(key[sid]) for sid in ids}
@@ -97,7 +99,7 @@ def test_faults_are_retried_or_recorded_and_a_rerun_completes(smollm2, data_dir,
     # the rerun, through a proxy that goes away (connections refused for a while) on the first
     # failed sample's first request: that request is retried, and exactly the failed samples are added
     with FlakyProxy(server, {key[ids[4]]: ("restart", 1)}, down=1.0) as proxy:
-        with VLLMEngine(str(smollm2), dtype="bf16", urls=[proxy.url], concurrency=1, retries=6, timeout=10.0) as e:
+        with VLLMEngine(str(smollm2), dtype="bf16", urls=[proxy.url], concurrency=1, retries=6, timeout=30.0) as e:
             s = run_capture(e, data, out, dtype="bf16")
             rec = {r["tag"]: r for r in e.request_stats()["records"]}
         seen4 = proxy.seen(key[ids[4]])
