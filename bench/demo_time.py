@@ -341,6 +341,8 @@ def demo_train_dtype() -> str:
     from eaglenest.demo import PRESETS, _train_dtype
 
     return _train_dtype(PRESETS["full"]["dtype"], "cpu")
+
+
 DEMO_EVAL = ["--bench", "mtbench", "--steps", "3", "--topk", "1", "--temperature", "0", "--max-new-tokens", "128",
              "--workers", "2"]
 

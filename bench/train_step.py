@@ -103,7 +103,7 @@ def make_inputs(shape: str, T: int, device: str, seed: int = 0):
 
 
 # --- one implementation in this process --------------------------------------------------------
-def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoint_logits=None):
+def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoint_logits):
     import torch
 
     from eaglenest.draft.model import DraftConfig, Eagle3Draft
@@ -140,14 +140,13 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoi
     from eaglenest.draft.kernels import causal_kernel
 
     kernel = causal_kernel(attn_impl)  # one kernel for the run, as the trainer holds it (flex compiles once)
-    ckpt = cuda if checkpoint_logits is None else checkpoint_logits  # the trainer's --logits-checkpoint auto
 
     def step():
         opt.zero_grad(set_to_none=True)
         trows = teacher.targets(last.reshape(-1, H))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
             loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom,
-                                  chunk=chunk, checkpoint_logits=ckpt, attn_impl=kernel, recompute=recompute)
+                                  chunk=chunk, checkpoint_logits=checkpoint_logits, attn_impl=kernel, recompute=recompute)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -302,7 +301,9 @@ def worker(a) -> dict:
                 s = SHAPES[a.shape]
                 est = estimate_activation_bytes(type("C", (), {"hidden_size": s["H"], "intermediate_size": s["I"]})(), a.seq, a.ttt)
                 rec = bool(cuda and est > 0.5 * torch.cuda.mem_get_info()[0])
-            ckpt = {"auto": cuda, "on": True, "off": False}[a.logits_checkpoint]
+            from eaglenest.train.objective import logits_checkpoint
+
+            ckpt = logits_checkpoint(a.logits_checkpoint, dev)  # the trainer's rule
             out.update(attn=attn, recompute=rec, logits_chunk=a.logits_chunk, logits_checkpoint=ckpt)
             step = build_ours(a.shape, a.seq, a.ttt, dev, inp, attn, rec, a.logits_chunk, ckpt)
         del inp
@@ -333,7 +334,8 @@ def worker(a) -> dict:
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
-                step = build_ours(a.shape, a.seq, a.ttt, dev, make_inputs(a.shape, a.seq, dev), "chunked", out["recompute"], a.logits_chunk)
+                step = build_ours(a.shape, a.seq, a.ttt, dev, make_inputs(a.shape, a.seq, dev), "chunked", out["recompute"], a.logits_chunk,
+                                  out["logits_checkpoint"])
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 continue

@@ -105,6 +105,9 @@ def test_logits_checkpoint_on_and_off_train_the_same_draft(tiny_llama_dir, tiny_
         t.fit()
         runs[mode] = t
     assert Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "auto")).objective.checkpoint_logits is False  # a CPU run
+    from eaglenest.train.objective import logits_checkpoint
+
+    assert logits_checkpoint("auto", "cuda:1") is True and logits_checkpoint("off", "cuda") is False
     assert losses(tmp_path / "on") == pytest.approx(losses(tmp_path / "off"), rel=1e-6, abs=1e-7)
     assert len(set(losses(tmp_path / "on"))) > 2
     w = {m: load_file(str(next((tmp_path / m / "checkpoints").glob("step-*")) / "model.safetensors")) for m in runs}

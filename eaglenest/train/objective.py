@@ -43,13 +43,12 @@ class Eagle3Objective:
 
     def __init__(self, teacher, ttt_steps: int, *, device: str, autocast: bool, attn, logits_chunk: int,
                  recompute, argmax_room: int, loss: LossSpec = LossSpec(), step_decay: float = 0.8,
-                 checkpoint_logits: bool | None = None):
+                 checkpoint_logits: bool = False):
         self.teacher, self.positions = teacher, ttt_steps
         self.device, self.autocast, self.attn, self.logits_chunk, self.recompute = device, autocast, attn, logits_chunk, recompute
         self.loss, self.step_decay = loss, step_decay
         self.device_type = "cuda" if device.startswith("cuda") else "cpu"
-        # None: on CUDA (GPU memory is the limit; CPU RAM is not)
-        self.checkpoint_logits = self.device_type == "cuda" if checkpoint_logits is None else checkpoint_logits
+        self.checkpoint_logits = checkpoint_logits  # resolved by logits_checkpoint()
         # micro-batch -> the target's argmax (int32) and, when computed, log-mass (fp32) per position
         # (host RAM), reused by later epochs (and evaluations); at most `argmax_room` tokens
         self._argmax: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -271,6 +270,12 @@ def dpace_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.T
     return prefix.flip(-1).cumsum(-1).flip(-1).detach()
 
 
+def logits_checkpoint(choice: str, device: str) -> bool:
+    """--logits-checkpoint: recompute the draft logits in backward?  auto: on CUDA (GPU memory is the
+    limit; CPU RAM is not)."""
+    return device.startswith("cuda") if choice == "auto" else choice == "on"
+
+
 def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, recompute, argmax_room: int):
     """The objective of the draft's kind, from the run's TrainConfig and DraftConfig."""
     if dcfg.kind == "dflash":
@@ -279,5 +284,5 @@ def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, rec
                                logits_chunk=cfg.logits_chunk)
     return Eagle3Objective(teacher, cfg.ttt_steps, device=device, autocast=autocast, attn=attn, logits_chunk=cfg.logits_chunk,
                            recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay,
-                           checkpoint_logits={"auto": None, "on": True, "off": False}[cfg.logits_checkpoint])
+                           checkpoint_logits=logits_checkpoint(cfg.logits_checkpoint, device))
 
