@@ -29,14 +29,14 @@ sys.path.insert(0, str(HERE))
 ARMS = ("torch", "kernel")
 
 
-def run_arm(draft: str, limit: int, linears: str, out: Path) -> tuple[dict, list]:
+def run_arm(draft: str, limit: int, linears: str, out: Path, env: dict | None = None) -> tuple[dict, list]:
     from eaglenest.demo import PRESETS, eval_argv
     from eaglenest.models.fetch import fetch
 
     P = {**PRESETS["full"], "eval_limit": limit, "baseline_limit": limit}
     cmd = [sys.executable, "-m", "eaglenest", *eval_argv(P, str(fetch("smollm2")), draft, out, "cpu"), "--linears", linears]
     t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "EAGLENEST_NO_PROGRESS": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "EAGLENEST_NO_PROGRESS": "1", **(env or {})})
     wall = time.perf_counter() - t
     if p.returncode != 0:
         return {"error": p.stderr[-2000:]}, []

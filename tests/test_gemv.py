@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cpu_kind import cpu_kind
+from cpu_kind import bf16_matrix_cpu, cpu_kind
 from helpers_eval import load_tiny, plain_greedy, random_draft
 
 from eaglenest import EaglenestError
@@ -66,7 +66,8 @@ def test_kernel_refuses_what_it_cannot_compute(kernel):
 def test_prepare_puts_the_linears_on_the_kernel_and_verification_is_exact(kernel, tiny_llama_dir):
     """exact.prepare (--linears auto): every bf16 Linear of the target runs 1..k-row forwards in the
     kernel; the per-shape and end-to-end probes (which call the installed forwards) find
-    verification bit-identical; speculative greedy == plain greedy; long prefills keep F.linear."""
+    verification bit-identical; speculative greedy == plain greedy; long prefills keep torch's bf16 GEMM
+    where the CPU has bf16 matrix instructions and run in an fp32 GEMM where it has not."""
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
     v = exact.prepare(m, rows=4)
     assert v["linears"]["kernel"] == "eaglenest-gemv" and v["linears"]["max_rows"] == 4
@@ -76,11 +77,26 @@ def test_prepare_puts_the_linears_on_the_kernel_and_verification_is_exact(kernel
     assert v["exact"] is True and "gemv kernel" in exact.summary(v)
     down = m.model.layers[0].mlp.down_proj
     x5 = torch.randn(1, 5, down.in_features).bfloat16()
-    assert torch.equal(down(x5), F.linear(x5, down.weight))  # 5 > k rows: torch's GEMM, as before
+    if bf16_matrix_cpu():  # 5 > k rows: torch's GEMM, as before
+        assert torch.equal(down(x5), F.linear(x5, down.weight)) and "bf16 GEMM" in v["linears"]["prefill"]
+    else:  # torch would emulate the bf16 GEMM: the same values in fp32, rounded back
+        assert torch.equal(down(x5), F.linear(x5.float(), down.weight.float()).bfloat16()) and "fp32 GEMM" in v["linears"]["prefill"]
     d = random_draft(m, draft_vocab=4096)
     for p in ([1, 500, 600, 700, 800], list(range(1, 40, 3))):
         with SpecDecoder(m, d, set(), steps=3) as sd:
             assert sd.generate(p, 24).output_ids == plain_greedy(m, p, 24)
+
+
+@pytest.mark.skipif(bf16_matrix_cpu(), reason="bf16 matrix instructions: prefills already run torch's bf16 GEMM")
+def test_bf16_prefill_env_keeps_torchs_gemm(kernel, tiny_llama_dir, monkeypatch):
+    """EAGLENEST_BF16_PREFILL=1 (the other arm of bench/eval_prefill.py) keeps F.linear for long prefills."""
+    monkeypatch.setenv("EAGLENEST_BF16_PREFILL", "1")
+    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
+    v = exact.prepare(m, rows=4)
+    down = m.model.layers[0].mlp.down_proj
+    x5 = torch.randn(1, 5, down.in_features).bfloat16()
+    assert torch.equal(down(x5), F.linear(x5, down.weight)) and "EAGLENEST_BF16_PREFILL" in v["linears"]["prefill"]
+    assert v["exact"] is True
 
 
 def test_auto_leaves_large_verifications_to_torch_and_kernel_forces_it(kernel, tiny_llama_dir):

@@ -19,7 +19,10 @@ verification forward is made exact where it is not:
   0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every bf16 Linear
      runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
      construction and faster than torch's bf16 F.linear for these row counts
-     (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel;
+     (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel.  Longer
+     forwards (prompt prefills, shared by both decoders) stay in a GEMM: torch's bf16 one, or where
+     the CPU has no bf16 matrix instructions (torch emulates bf16 there) an fp32 GEMM of the same
+     bf16 values (`prefill_gemm`);
 
   1. attention ("rowwise"): each query row of a verification forward is its own single-query
      SDPA call over exactly the keys it may see -- the call plain decoding makes for that token;
@@ -47,6 +50,7 @@ end-to-end probe still runs and the report says whether verification was exact.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -184,9 +188,14 @@ def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> 
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, fp32_prefill: bool = False) -> torch.Tensor:
     if 1 <= _rows(x) <= max_rows and x.dtype == torch.bfloat16:
         return gemv.linear(x, module.weight, module.bias)
+    if fp32_prefill and x.dtype == torch.bfloat16:
+        # a long prefill where torch emulates bf16 GEMMs (no AMX / AVX512-BF16): the same bf16 values in an
+        # fp32 GEMM, rounded back, ~5x faster there (bench/results/eval_prefill_cpu_avx2.json)
+        b = None if module.bias is None else module.bias.float()
+        return F.linear(x.float(), module.weight.float(), b).to(x.dtype)
     return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
 
 
@@ -202,9 +211,13 @@ def set_rowwise(module: torch.nn.Linear, max_rows: int | None) -> None:
     _set_forward(module, _linear_by_rows, max_rows)
 
 
-def set_kernel(module: torch.nn.Linear, max_rows: int | None) -> None:
-    """Compute `module` in the gemv kernel in forwards of 1..max_rows rows (None: F.linear again)."""
-    _set_forward(module, _linear_by_kernel, max_rows)
+def set_kernel(module: torch.nn.Linear, max_rows: int | None, fp32_prefill: bool = False) -> None:
+    """Compute `module` in the gemv kernel in forwards of 1..max_rows rows (None: F.linear again);
+    longer forwards (prefills) in an fp32 GEMM with `fp32_prefill`, else in F.linear."""
+    if max_rows is None:
+        _set_forward(module, _linear_by_kernel, None)
+    else:
+        module.forward = functools.partial(_linear_by_kernel, module, max_rows, fp32_prefill=fp32_prefill)
 
 
 def linear_groups(model) -> dict[tuple, list[str]]:
@@ -345,11 +358,28 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         if linears == "kernel":
             raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
         return {"kernel": "torch", "why": why}
+    fp32_prefill, prefill = prefill_gemm()
     for m in mods:
-        set_kernel(m, max_rows)
+        set_kernel(m, max_rows, fp32_prefill)
     return {"kernel": "eaglenest-gemv", "isa": isa, "modules": len(mods), "max_rows": max_rows,
             "why": f"row-invariant by construction (each output one fixed sequence of {isa} instructions) "
-                   "and faster than torch's bf16 matrix-vector products on a CPU"}
+                   "and faster than torch's bf16 matrix-vector products on a CPU",
+            "prefill": prefill}
+
+
+def prefill_gemm() -> tuple[bool, str]:
+    """(fp32?, why) for the Linears of forwards longer than a verification (prompt prefills, which
+    plain and speculative decoding share, so either choice keeps verification exact): fp32 where
+    the CPU has no bf16 matrix instructions, as capture's `--dtype auto` decides (utils.auto_dtype).
+    EAGLENEST_BF16_PREFILL=1 keeps torch's bf16 GEMM (the other arm of bench/eval_prefill.py)."""
+    from eaglenest.utils import cpu_has_fast_bf16
+
+    if cpu_has_fast_bf16():
+        return False, "torch's bf16 GEMM (this CPU has bf16 matrix instructions)"
+    if os.environ.get("EAGLENEST_BF16_PREFILL") == "1":
+        return False, "torch's bf16 GEMM (EAGLENEST_BF16_PREFILL=1)"
+    return True, ("the bf16 values in an fp32 GEMM, rounded to bf16: this CPU has no bf16 matrix instructions, "
+                  "where torch emulates bf16 GEMMs several times slower")
 
 
 def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "rowwise", linears: str = "auto") -> dict:
