@@ -437,3 +437,52 @@ def test_server_baseline_divergence_records_the_baseline_near_tie():
     # the spec's token outside the baseline's top logprobs: no margin to show
     base[0]["top_logprobs"] = [{5: -0.1}, {7: -0.01}, {}]
     assert merge_server_baseline(spec, base, greedy=True)[0]["logprob_gap"] is None
+
+
+
+def test_conversations_run_concurrently_in_order_and_totals_replace_per_record_counts(tiny_llama_dir):
+    """`--engine-arg concurrency=N` (vLLM eval): N conversations in flight at once (two first turns
+    meet at a barrier, which one-at-a-time decoding never reaches), each conversation's turns in
+    order (turn 2's prompt holds turn 1's answer), records in prompt order; the run's counters
+    (totals) replace the per-record ones in the report's tau and acceptance."""
+    from types import SimpleNamespace
+
+    from eaglenest.evaluate.run import run_conversations, summarize
+    from eaglenest.models.target import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_llama_dir))
+    prompts = [SimpleNamespace(id=f"q{i}", turns=[f"question {i}", f"follow-up {i}"]) for i in range(4)]
+    meet = {"barrier": threading.Barrier(2, timeout=30)}
+    answers = {}
+
+    def answer(p, turn, ids):
+        if turn == 1 and p.id in ("q0", "q1"):
+            meet["barrier"].wait()  # raises BrokenBarrierError unless q0 and q1 are in flight together
+        out = tok(f"answer {p.id} {turn}", add_special_tokens=False)["input_ids"]
+        answers[(p.id, turn)] = ids
+        return {"id": p.id, "turn": turn, "output_ids": out, "generated_tokens": len(out), "wall_s": 0.5}
+
+    recs = run_conversations(prompts, 2, tok, set(), "test", answer, concurrency=2)
+    assert [(r["id"], r["turn"]) for r in recs] == [(f"q{i}", t) for i in range(4) for t in (1, 2)]
+    assert all(tok.decode(answers[(f"q{i}", 2)]).count(f"answer q{i} 1") == 1 for i in range(4))
+    with pytest.raises(threading.BrokenBarrierError):  # one at a time: q1 never arrives while q0 waits
+        meet["barrier"] = threading.Barrier(2, timeout=1)
+        run_conversations(prompts[:2], 1, tok, set(), "test", answer, concurrency=1)
+    out = summarize(recs, 3, {"verify_steps": 10, "verified_tokens": 17, "accepted_per_position": [5, 2, 0]})
+    assert out["tau"] == 1.7 and out["accept_per_position"] == [0.5, 0.2, 0.0] and out["verify_steps"] == 10
+    assert out["generated_tokens"] == sum(r["generated_tokens"] for r in recs)
+
+
+def test_vllm_eval_refuses_a_bad_concurrency(tiny_llama_dir, tmp_path):
+    import argparse
+
+    from eaglenest import EaglenestError
+    from eaglenest.evaluate.engine_vllm import run_eval
+
+    for bad in ("0", "two"):
+        a = argparse.Namespace(model=str(tiny_llama_dir), draft=str(tmp_path), out=str(tmp_path / "r.json"), bench="mtbench",
+                               limit=1, turns=1, steps=3, topk=1, num_draft_tokens=None, temperature=0.0, max_new_tokens=8,
+                               engine="vllm", device="cpu", dtype="bf16", seed=0, no_baseline=True, trust_remote_code=False,
+                               engine_args={"concurrency": bad})
+        with pytest.raises(EaglenestError, match="concurrency must be a whole number"):
+            run_eval(a)

@@ -7,7 +7,10 @@
     rule), greedy for `argmax`.  A DFlash draft is served with `"method": "dflash"` and steps = its
     block_size - 1 (evaluate/run.py resolve_draft_steps).
   * The benchmark prompts go one at a time (batch size 1, like the in-process evaluator) as token
-    ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature.
+    ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature;
+    `--engine-arg concurrency=N`: N conversations at a time (the server batches them: a CPU server's
+    per-step cost is mostly fixed, so this is several times faster), the counters then read only
+    around the whole run (tau and the acceptance of all generations together, none per prompt).
   * tau comes from the server's Prometheus counters, snapshotted before and after each request:
     tau = 1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total),
     and the acceptance at draft position i = d(..._num_accepted_tokens_per_pos_total{position=i}) /
@@ -22,7 +25,8 @@
 
 Options for this evaluator come as `--engine-arg KEY=VALUE`: python (the vLLM venv's python),
 startup_timeout (s), max_model_len, log_dir (keep the server logs there), server_arg (one extra
-server argument; `server_arg=--max-num-seqs=4`).  The report has the in-process evaluator's keys
+server argument; `server_arg=--max-num-seqs=4`), timeout (s, per request), concurrency (requests in flight,
+default 1, see above).  The report has the in-process evaluator's keys
 plus `vllm_*` extras.
 """
 
@@ -101,6 +105,12 @@ def run_eval(args) -> dict:
     a = args
     ea = dict(getattr(a, "engine_args", None) or {})
     steps, topk, temp = int(a.steps), int(a.topk), float(a.temperature)
+    try:
+        conc = int(ea.get("concurrency", 1))
+    except ValueError:
+        conc = 0
+    if conc < 1:
+        raise EaglenestError(f"--engine-arg concurrency must be a whole number >= 1 (got {ea.get('concurrency')!r})")
     if topk != 1:
         raise EaglenestError("vLLM drafts EAGLE-3 as a chain: use --topk 1 with --engine vllm")
     if a.num_draft_tokens not in (None, steps + 1):
@@ -159,22 +169,26 @@ def run_eval(args) -> dict:
         g = finish_generated("", ids, list(ch.get("token_ids") or []), ch.get("finish_reason"), ch.get("stop_reason"), eos_list)
         return g, wall, resp.get("system_fingerprint"), top_logprobs(ch) if top else None
 
-    def run_all(client: Client, spec: bool, desc: str) -> tuple[list[dict], str | None]:
+    def run_all(client: Client, spec: bool, desc: str) -> tuple[list[dict], str | None, dict | None]:
+        """(records, vLLM version, totals): one request at a time, counters per request (totals None);
+        with concurrency > 1 the counters only of the whole run (totals), records without them."""
         model = model_card(client, client.urls[0])["id"]
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
         ask(client, model, warm)  # warm-up: not timed, and the counters are snapshotted per request
         version = None
         top = 2 if not spec and temp <= 0 else 0  # the greedy baseline: evidence for any near-tie divergence
+        per_request = spec and conc == 1
+        start = settled_counters(client, steps) if spec and not per_request else None
 
         def answer(p, turn: int, ids: list[int]) -> dict:
             nonlocal version
-            before = settled_counters(client, steps) if spec else None
+            before = settled_counters(client, steps) if per_request else None
             g, wall, version, lps = ask(client, model, ids, top)
             rec = {"id": p.id, "turn": turn, "prompt_ids": ids, "output_ids": g.output_ids,
                    "finish_reason": g.finish_reason, "wall_s": wall, "generated_tokens": len(g.output_ids)}
             if lps is not None:
                 rec["top_logprobs"] = lps
-            if spec:
+            if per_request:
                 after = settled_counters(client, steps)
                 d = after["drafts"] - before["drafts"]
                 acc = after["accepted"] - before["accepted"]
@@ -186,12 +200,18 @@ def run_eval(args) -> dict:
                 )
             return rec
 
-        return run_conversations(prompts, a.turns, tok, eos, desc, answer), version
+        recs = run_conversations(prompts, a.turns, tok, eos, desc, answer, concurrency=conc)
+        if start is None:
+            return recs, version, None
+        end = settled_counters(client, steps)
+        d = end["drafts"] - start["drafts"]
+        return recs, version, {"verify_steps": int(round(d)), "verified_tokens": int(round(d + end["accepted"] - start["accepted"])),
+                               "accepted_per_position": [int(round(x - y)) for x, y in zip(end["per_pos"], start["per_pos"])]}
 
     server_times: dict[str, float] = {}
 
-    def serve_and_run(spec: bool, name: str) -> tuple[list[dict], str | None, str]:
-        """Start the server, answer every prompt, stop it: (records, version, server log)."""
+    def serve_and_run(spec: bool, name: str) -> tuple[list[dict], str | None, str, dict | None]:
+        """Start the server, answer every prompt, stop it: (records, version, server log, totals)."""
         server = serve(spec, name)
         try:
             server_times[name] = server.start_seconds or 0.0
@@ -201,16 +221,16 @@ def run_eval(args) -> dict:
                     f"the vLLM server did not load eaglenest's plugin (its log {server.log_path} has no line from "
                     "eaglenest/engines/vllm_fixes.py; is VLLM_PLUGINS set without 'eaglenest_cpu_expand_fix'?): on a CPU "
                     "vLLM 0.32 speculative sampling at temperature > 0 is then corrupt (docs/vllm.md), so no result is reported")
-            client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=1)
+            client = Client([server.url], timeout=float(ea.get("timeout", 900)), retries=1, concurrency=conc)
             try:
-                recs, version = run_all(client, spec, f"eval vllm {name}")
+                recs, version, totals = run_all(client, spec, f"eval vllm {name}")
             finally:
                 client.close()
-            return recs, version, server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+            return recs, version, server.log_path.read_text(errors="replace") if server.log_path.exists() else "", totals
         finally:
             server.stop()
 
-    records, version, log_text = serve_and_run(True, "spec")
+    records, version, log_text, totals = serve_and_run(True, "spec")
     base_records = None if a.no_baseline else serve_and_run(False, "baseline")[0]
 
     mismatches = merge_server_baseline(records, base_records, greedy=temp <= 0)
@@ -218,7 +238,10 @@ def run_eval(args) -> dict:
     report = report_header("vllm", a, dataset, len(prompts), records, steps=steps, topk=1, ndt=steps + 1, path=path,
                            aux_ids=dcfg.aux_layer_ids, draft_vocab=dcfg.draft_vocab_size, device="cpu (vLLM)",
                            attention="vllm")  # vLLM's own attention backend for the platform
-    finish_report(report, records, steps, mismatches)
+    finish_report(report, records, steps, mismatches, totals)
+    # requests in flight at once; above 1, tau and the acceptance are of the whole run (the counters are
+    # the server's), so the per-prompt records carry no tau
+    report["batch_size"] = conc
     report["vllm_version"] = version
     report["vllm_speculative_config"] = spec_cfg
     report["vllm_server_start_s"] = server_times

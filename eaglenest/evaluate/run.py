@@ -125,12 +125,14 @@ def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
     return draft
 
 
-def summarize(records: list[dict], steps: int) -> dict:
-    """Aggregate per-generation records into the report's totals."""
+def summarize(records: list[dict], steps: int, totals: dict | None = None) -> dict:
+    """Aggregate per-generation records into the report's totals.  `totals` (verify_steps,
+    verified_tokens, accepted_per_position) replaces the per-record counts where a server decoded
+    several generations at once and only counted them together."""
     gen = sum(r["generated_tokens"] for r in records)
-    ver_tok = sum(r["verified_tokens"] for r in records)
-    vsteps = sum(r["verify_steps"] for r in records)
-    acc = [sum(r["accepted_per_position"][i] for r in records) for i in range(steps)]
+    ver_tok = totals["verified_tokens"] if totals else sum(r["verified_tokens"] for r in records)
+    vsteps = totals["verify_steps"] if totals else sum(r["verify_steps"] for r in records)
+    acc = totals["accepted_per_position"] if totals else [sum(r["accepted_per_position"][i] for r in records) for i in range(steps)]
     wall = sum(r["wall_s"] for r in records)
     out = {
         "tau": ver_tok / vsteps if vsteps else None,
@@ -365,25 +367,34 @@ def load_prompts(a) -> tuple[str, list]:
     return dataset, prompts
 
 
-def run_conversations(prompts, turns: int, tok, eos: set[int], desc: str, answer) -> list[dict]:
+def run_conversations(prompts, turns: int, tok, eos: set[int], desc: str, answer, concurrency: int = 1) -> list[dict]:
     """Every benchmark conversation turn by turn, with a progress bar: `answer(prompt, turn, ids)`
-    returns the turn's record (with "output_ids"), and that answer joins the next turn's history."""
+    returns the turn's record (with "output_ids"), and that answer joins the next turn's history.
+    `concurrency` > 1: that many conversations at once (a server's batch); records in prompt order."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from eaglenest.utils import progress
 
-    recs: list[dict] = []
     bar = progress(total=sum(min(turns, len(p.turns)) for p in prompts), desc=desc, unit="gen")
+
+    def one(p) -> list[dict]:
+        hist: list[dict] = []
+        recs = []
+        for turn, question in enumerate(p.turns[:turns], start=1):
+            hist.append({"role": "user", "content": question})
+            rec = answer(p, turn, chat_prompt_ids(tok, hist))
+            hist.append({"role": "assistant", "content": _answer_text(tok, rec["output_ids"], eos)})
+            recs.append(rec)
+            bar.update(1)
+        return recs
+
     try:
-        for p in prompts:
-            hist: list[dict] = []
-            for turn, question in enumerate(p.turns[:turns], start=1):
-                hist.append({"role": "user", "content": question})
-                rec = answer(p, turn, chat_prompt_ids(tok, hist))
-                hist.append({"role": "assistant", "content": _answer_text(tok, rec["output_ids"], eos)})
-                recs.append(rec)
-                bar.update(1)
+        if concurrency <= 1:
+            return [r for p in prompts for r in one(p)]
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(prompts))) as ex:
+            return [r for recs in ex.map(one, prompts) for r in recs]
     finally:
         bar.close()
-    return recs
 
 
 def draft_sampling(a) -> str:
@@ -425,10 +436,11 @@ PER_PROMPT_KEYS = ("id", "turn", "tau", "generated_tokens", "verify_steps", "ver
                    "output_ids")  # the generated ids: reports of two engines can be compared prompt by prompt
 
 
-def finish_report(report: dict, records: list[dict], steps: int, mismatches: list[dict] | None) -> dict:
-    """The fields every engine's report shares, from its per-generation records.
-    `mismatches` is None when no greedy baseline was compared."""
-    report.update(summarize(records, steps))
+def finish_report(report: dict, records: list[dict], steps: int, mismatches: list[dict] | None,
+                  totals: dict | None = None) -> dict:
+    """The fields every engine's report shares, from its per-generation records (and `totals`, see
+    summarize).  `mismatches` is None when no greedy baseline was compared."""
+    report.update(summarize(records, steps, totals))
     report.setdefault("baseline_tokens_per_s", None)
     report.setdefault("speedup", None)
     for k in ("draft_s", "draft_ms_per_round", "draft_share_of_wall"):  # known where our decoder times its draft
