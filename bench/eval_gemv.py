@@ -51,24 +51,36 @@ def run_arm(draft: str, limit: int, linears: str, out: Path, env: dict | None = 
             "cmd": " ".join(cmd[1:])}, [x["output_ids"] for x in r["per_prompt"]]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a demo's draft directory (DEMO_OUT/draft)")
-    ap.add_argument("--limit", type=int, default=24, help="MT-bench first turns per arm (plain decoding on all of them)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating torch/kernel rounds")
-    a = ap.parse_args()
-    from common import write_result
-
+def alternate(draft: str, limit: int, n_rounds: int, arms: dict[str, tuple[str, dict]]) -> tuple[list, dict]:
+    """`n_rounds` rounds of every arm (name -> (--linears, extra environment)), the order alternating
+    round by round (the machine drifts): (rounds [{arm: record}], the first round's outputs per arm)."""
+    names = list(arms)
     rounds, outputs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.rounds):
-            order = ARMS if i % 2 == 0 else ARMS[::-1]  # alternate who goes first: the machine drifts
+        for i in range(n_rounds):
             row = {}
-            for arm in order:
-                row[arm], outs = run_arm(a.draft, a.limit, arm, Path(tmp) / f"{arm}{i}.json")
+            for arm in names if i % 2 == 0 else names[::-1]:
+                row[arm], outs = run_arm(draft, limit, arms[arm][0], Path(tmp) / f"{arm}{i}.json", arms[arm][1])
                 outputs.setdefault(arm, outs)
                 print(i, arm, {k: v for k, v in row[arm].items() if k not in ("cmd", "linears")}, flush=True)
             rounds.append(row)
+    return rounds, outputs
+
+
+def parse_args(doc: str, limit: int) -> argparse.Namespace:
+    """--draft, --limit, --rounds: what an alternating eval benchmark takes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="a demo's draft directory (DEMO_OUT/draft)")
+    ap.add_argument("--limit", type=int, default=limit, help="MT-bench first turns per arm (plain decoding on all of them)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the arms")
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args(__doc__, 24)
+    from common import write_result
+
+    rounds, outputs = alternate(a.draft, a.limit, a.rounds, {arm: (arm, {}) for arm in ARMS})
     ok = [r for r in rounds if all("error" not in r[x] for x in ARMS)]
     result = {
         "what": "the demo's eval stage (eaglenest.demo.eval_argv) with --linears torch vs --linears kernel, alternating",

@@ -14,9 +14,7 @@ GEMMs round a prompt's states differently.  Result: bench/results/eval_prefill_c
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,30 +24,18 @@ ARMS = {"bf16": {"EAGLENEST_BF16_PREFILL": "1"}, "fp32": {}}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a demo's draft directory (DEMO_OUT/draft)")
-    ap.add_argument("--limit", type=int, default=16, help="MT-bench first turns per arm (plain decoding on all of them)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds")
-    a = ap.parse_args()
     from common import write_result
-    from eval_gemv import run_arm
+    from eval_gemv import alternate, parse_args
 
     from eaglenest.evaluate.gemv import isa
     from eaglenest.utils import cpu_has_fast_bf16
 
+    a = parse_args(__doc__, 16)
     if cpu_has_fast_bf16():
         print("this CPU has bf16 matrix instructions: prefills run torch's bf16 GEMM either way, nothing to compare", file=sys.stderr)
         return 2
     names = list(ARMS)
-    rounds, outputs = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.rounds):
-            row = {}
-            for arm in names if i % 2 == 0 else names[::-1]:  # alternate who goes first: the machine drifts
-                row[arm], outs = run_arm(a.draft, a.limit, "kernel", Path(tmp) / f"{arm}{i}.json", ARMS[arm])
-                outputs.setdefault(arm, outs)
-                print(i, arm, {k: v for k, v in row[arm].items() if k not in ("cmd", "linears")}, flush=True)
-            rounds.append(row)
+    rounds, outputs = alternate(a.draft, a.limit, a.rounds, {arm: ("kernel", env) for arm, env in ARMS.items()})
     ok = [r for r in rounds if all("error" not in r[x] for x in names)]
     ratio = lambda k: [round(r["fp32"][k] / r["bf16"][k], 3) for r in ok]  # noqa: E731
     result = {

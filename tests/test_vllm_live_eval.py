@@ -89,8 +89,8 @@ def test_tau_agreement_at_temperature_1(smollm2, quick_demo, tmp_path):
 
     draft = Path(os.environ.get("EAGLENEST_VLLM_AGREEMENT_DRAFT") or quick_demo / "draft")
     kw = dict(limit=20, max_new_tokens=96, no_baseline=True, temperature=1.0, dtype="bf16", draft_sampling="sample")
-    # vLLM decodes the 20 prompts as one batch (engine arg concurrency: tau from the run's counters);
-    # its CPU path's per-step cost is mostly fixed, so one at a time took ~6 min of this test on a 2-core CPU
+    # vLLM decodes the 20 prompts as one batch (engine arg concurrency: tau from the run's counters), which
+    # its CPU server finishes sooner than one at a time
     rv = evaluate(_args(smollm2, draft, "mtbench", tmp_path / "vllm.json", "vllm", engine_args={"concurrency": 20}, **kw))
     rh = evaluate(_args(smollm2, draft, "mtbench", tmp_path / "hf.json", "hf", **kw))
     print(f"T=1: tau vllm {rv['tau']:.3f} ({rv['verify_steps']} steps) hf {rh['tau']:.3f} ({rh['verify_steps']} steps); "

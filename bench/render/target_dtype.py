@@ -14,8 +14,8 @@ def render(results: dict[str, dict]) -> str:
     return (
         f"- `capture --dtype auto` (and the demo's training) runs the target in bf16, the dtype the engines serve, "
         f"except in-process on a CPU without bf16 matrix instructions, where torch emulates bf16 matmuls and the target "
-        f"runs in fp32 instead (the store stays bf16). `eval` keeps bf16: batch-1 decoding reads weights more than it "
-        f"multiplies, and bf16's are half the bytes. On {cpu} ({r['machine'].get('cpu_count')} cores, no AMX / AVX512-BF16; "
+        f"runs in fp32 instead (the store stays bf16). `eval` keeps bf16 weights: batch-1 decoding reads weights more than it "
+        f"multiplies, and bf16's are half the bytes (only its prompt prefills run an fp32 GEMM there, below). On {cpu} ({r['machine'].get('cpu_count')} cores, no AMX / AVX512-BF16; "
         f"SmolLM2, each dtype a fresh process, {rounds} alternating rounds): a prefill of {r['prefill_shape'][0]} × "
         f"{r['prefill_shape'][1]} tokens (a capture batch) runs at {f['prefill_tokens_per_s']:,.0f} tok/s in fp32 vs "
         f"{b['prefill_tokens_per_s']:,.0f} in bf16 (**{s['fp32_over_bf16_prefill']:.1f}x**); a decoding forward of 1 new "

@@ -8,9 +8,9 @@
     block_size - 1 (evaluate/run.py resolve_draft_steps).
   * The benchmark prompts go one at a time (batch size 1, like the in-process evaluator) as token
     ids from the target's chat template (`chat_prompt_ids`), greedy unless --temperature;
-    `--engine-arg concurrency=N`: N conversations at a time (the server batches them: a CPU server's
-    per-step cost is mostly fixed, so this is several times faster), the counters then read only
-    around the whole run (tau and the acceptance of all generations together, none per prompt).
+    `--engine-arg concurrency=N`: N conversations at a time (the server batches them), the counters
+    then read only around the whole run (tau and the acceptance of all generations together, none
+    per prompt).
   * tau comes from the server's Prometheus counters, snapshotted before and after each request:
     tau = 1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total),
     and the acceptance at draft position i = d(..._num_accepted_tokens_per_pos_total{position=i}) /
@@ -251,7 +251,7 @@ def run_eval(args) -> dict:
     report["vllm_fixes"] = reported(log_text)
     # the prefill's token is not verified: generated = verified + 1 per generation, unless a
     # verification round overshot max_new_tokens / eos (vLLM counts what it accepted)
-    report["vllm_unaccounted_tokens"] = sum(r["generated_tokens"] - 1 - r["verified_tokens"] for r in records)
+    report["vllm_unaccounted_tokens"] = report["generated_tokens"] - len(records) - report["verified_tokens"]
     if not ea.get("log_dir"):
         import shutil
 
