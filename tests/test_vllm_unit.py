@@ -439,7 +439,6 @@ def test_server_baseline_divergence_records_the_baseline_near_tie():
     assert merge_server_baseline(spec, base, greedy=True)[0]["logprob_gap"] is None
 
 
-
 def test_conversations_run_concurrently_in_order_and_totals_replace_per_record_counts(tiny_llama_dir):
     """`--engine-arg concurrency=N` (vLLM eval): N conversations in flight at once (two first turns
     meet at a barrier, which one-at-a-time decoding never reaches), each conversation's turns in

@@ -63,6 +63,14 @@ def spec_counters(metrics: dict[str, float], steps: int) -> dict:
     }
 
 
+def counter_delta(before: dict, after: dict) -> dict:
+    """What the server counted between two snapshots, in the report's terms: verify_steps = d(drafts),
+    verified_tokens = d(drafts) + d(accepted), accepted_per_position = d(per position)."""
+    d = after["drafts"] - before["drafts"]
+    return {"verify_steps": int(round(d)), "verified_tokens": int(round(d + after["accepted"] - before["accepted"])),
+            "accepted_per_position": [int(round(x - y)) for x, y in zip(after["per_pos"], before["per_pos"])]}
+
+
 def settled_counters(client, steps: int, tries: int = 40) -> dict:
     """Read the counters until two reads agree (the stat logger can trail the HTTP response)."""
     from eaglenest.engines.vllm import metrics
@@ -189,24 +197,14 @@ def run_eval(args) -> dict:
             if lps is not None:
                 rec["top_logprobs"] = lps
             if per_request:
-                after = settled_counters(client, steps)
-                d = after["drafts"] - before["drafts"]
-                acc = after["accepted"] - before["accepted"]
-                rec.update(
-                    verify_steps=int(round(d)),
-                    verified_tokens=int(round(d + acc)),
-                    accepted_per_position=[int(round(x - y)) for x, y in zip(after["per_pos"], before["per_pos"])],
-                    tau=(1 + acc / d) if d else None,
-                )
+                n = counter_delta(before, settled_counters(client, steps))
+                rec.update(n, tau=n["verified_tokens"] / n["verify_steps"] if n["verify_steps"] else None)
             return rec
 
         recs = run_conversations(prompts, a.turns, tok, eos, desc, answer, concurrency=conc)
         if start is None:
             return recs, version, None
-        end = settled_counters(client, steps)
-        d = end["drafts"] - start["drafts"]
-        return recs, version, {"verify_steps": int(round(d)), "verified_tokens": int(round(d + end["accepted"] - start["accepted"])),
-                               "accepted_per_position": [int(round(x - y)) for x, y in zip(end["per_pos"], start["per_pos"])]}
+        return recs, version, counter_delta(start, settled_counters(client, steps))
 
     server_times: dict[str, float] = {}
 

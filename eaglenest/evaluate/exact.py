@@ -214,10 +214,7 @@ def set_rowwise(module: torch.nn.Linear, max_rows: int | None) -> None:
 def set_kernel(module: torch.nn.Linear, max_rows: int | None, fp32_prefill: bool = False) -> None:
     """Compute `module` in the gemv kernel in forwards of 1..max_rows rows (None: F.linear again);
     longer forwards (prefills) in an fp32 GEMM with `fp32_prefill`, else in F.linear."""
-    if max_rows is None:
-        _set_forward(module, _linear_by_kernel, None)
-    else:
-        module.forward = functools.partial(_linear_by_kernel, module, max_rows, fp32_prefill=fp32_prefill)
+    _set_forward(module, functools.partial(_linear_by_kernel, fp32_prefill=fp32_prefill), max_rows)
 
 
 def linear_groups(model) -> dict[tuple, list[str]]:
