@@ -23,6 +23,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _i = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cpus[_i % len(_cpus)]))
 
+# Tests call `cli.main` in this process, which does not pass through the process entry (`cli.run`)
+# that tunes glibc's allocator: tune it here too, so in-process capture, training and eval run as
+# the CLI runs them (without it the MLA draft's training spent more time in the kernel faulting
+# pages in than in torch: sys 47 s of 55 s wall, 35 s tuned).  Process-local (mallopt), so the
+# subprocesses tests/test_malloc.py counts keep glibc's defaults.
+from eaglenest.utils import keep_freed_heap  # noqa: E402  (import-light: no torch yet)
+
+keep_freed_heap()
+
 
 # Which tests share a worker (`--dist loadfile`, widened below): a file's tests (module fixtures such
 # as a served model are built once), the SGLang live files (a server at TP 2 takes both cores) and
