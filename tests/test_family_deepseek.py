@@ -149,3 +149,68 @@ def test_kimi_k2_and_deepseek_v2_targets(tmp_path, smollm2):
         assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 4, 32)
     with pytest.raises(EaglenestError, match="not a known family"):
         target_facts({"model_type": "made_up", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 9})
+
+
+def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(dsv3, monkeypatch):
+    """Exact verification on an MoE target.  The experts are 3-D weights that the MoE block calls
+    through F.linear on the tokens routed to each expert together, which no Linear-module fix
+    reaches.  With the experts' batched calls made row-count dependent in-process (as some blocked
+    GEMMs are), the end-to-end probe sees a verification forward differ from plain decoding unless
+    the blocks run token by token (exact.moe_blocks); with them it is bit-identical, and greedy
+    speculative decoding equals plain greedy decoding (a random and an oracle draft)."""
+    from helpers_eval import diversify, oracle_chain, plain_greedy, random_draft
+    from test_eval_specdec import _batch_dependent_linear
+    from transformers import AutoModelForCausalLM
+
+    from eaglenest.evaluate import exact
+    from eaglenest.evaluate.specdec import SpecDecoder
+
+    m = diversify(AutoModelForCausalLM.from_pretrained(dsv3, dtype=torch.float32)).eval().requires_grad_(False)
+    cfg = m.config
+    expert_shape = (2 * cfg.moe_intermediate_size, cfg.hidden_size)  # gate_up_proj[e]
+    assert expert_shape not in {shape for shape, *_ in exact.linear_groups(m)}  # no Linear module shares it
+    monkeypatch.setattr(torch.nn.functional, "linear", _batch_dependent_linear(expert_shape))
+
+    v = exact.prepare(m, rows=4)
+    blocks = exact.moe_blocks(m)
+    assert len(blocks) == cfg.num_hidden_layers - cfg.first_k_dense_replace and v["rowwise"]["moe_blocks"]["modules"] == len(blocks)
+    assert "MoE blocks token by token (7)" in exact.summary(v)
+    assert v["probe_result"]["end_to_end"][0]["exact"] is True, v["probe_result"]["end_to_end"]
+    x = torch.randn(1, 4, cfg.hidden_size)
+    block = next(iter(blocks.values()))
+    assert torch.equal(block(x), torch.cat([block(x[:, i : i + 1]) for i in range(4)], dim=1))
+
+    for b in blocks.values():  # the blocks as transformers runs them: the probe catches the difference
+        exact.set_block_rowwise(b, None)
+    assert not exact.probe_end_to_end(m, 4)["exact"]
+    for b in blocks.values():
+        exact.set_block_rowwise(b, 4)
+    assert exact.probe_end_to_end(m, 4)["exact"]
+
+    d = random_draft(m, draft_vocab=4096, attention="mla")
+    for p in ([1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253]):
+        ref = plain_greedy(m, p, 16)
+        assert len(set(ref)) > 2, ref  # a target that repeats one token would hide a wrong cache
+        with SpecDecoder(m, d, set(), steps=3) as sd:
+            assert sd.generate(p, 16).output_ids == ref
+            sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
+            r = sd.generate(p, 16)
+            assert r.output_ids == ref and r.tau > 3
+
+
+def test_an_moe_block_returning_a_tuple_is_refused_by_name():
+    from eaglenest.evaluate import exact
+
+    class TupleMoe(torch.nn.Module):  # like transformers' Zaya / Ernie-4.5-VL blocks: (states, router output)
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = torch.nn.Linear(4, 2), torch.nn.Identity()
+
+        def forward(self, x):
+            return x, self.gate(x)
+
+    b = TupleMoe()
+    exact.set_block_rowwise(b, 4)
+    assert b(torch.ones(1, 1, 4))[0].shape == (1, 1, 4)  # one row: the block as it is
+    with pytest.raises(EaglenestError, match="TupleMoe returns tuple"):
+        b(torch.ones(1, 3, 4))

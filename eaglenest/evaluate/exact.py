@@ -26,6 +26,8 @@ verification forward is made exact where it is not:
 
   1. attention ("rowwise"): each query row of a verification forward is its own single-query
      SDPA call over exactly the keys it may see -- the call plain decoding makes for that token;
+     mixture-of-experts blocks (`moe_blocks`) likewise run each row alone: they group a forward's
+     tokens per expert, so batched rows are never computed as a lone token is;
   2. per Linear weight shape, the model's own weights are fed random rows, batched (k rows: a
      verification forward always has exactly num_draft_tokens rows) against one row at a time; a
      shape that differs runs row by row (each row an M=1 call, what plain decoding does) in
@@ -217,6 +219,44 @@ def set_kernel(module: torch.nn.Linear, max_rows: int | None, fp32_prefill: bool
     _set_forward(module, functools.partial(_linear_by_kernel, fp32_prefill=fp32_prefill), max_rows)
 
 
+# ----------------------------------------------------------------------------------------------
+# mixture-of-experts blocks row by row
+
+
+def moe_blocks(model) -> dict[str, torch.nn.Module]:
+    """The model's mixture-of-experts blocks (a router `gate` next to its `experts`: DeepSeek-V2/V3,
+    Kimi-K2, Qwen2/3-MoE, Mixtral in transformers 5).  A block routes a forward's tokens to experts
+    in groups, so a token's expert GEMMs have as many rows as tokens that chose that expert in the
+    same forward -- which other tokens are verified with it decides its arithmetic -- and the
+    experts are 3-D weights called through F.linear, not Linear modules the row-wise fix reaches."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
+
+
+def _block_by_rows(max_rows: int, forward, x: torch.Tensor) -> torch.Tensor:
+    rows = _rows(x)
+    if rows <= 1 or rows > max_rows:  # plain decoding and long prefills: the block as it is
+        return forward(x)
+    flat = x.reshape(rows, 1, x.shape[-1])  # each token alone, shaped as plain decoding feeds it ([1, 1, H])
+    outs = [forward(flat[i : i + 1]) for i in range(rows)]
+    if not isinstance(outs[0], torch.Tensor):  # e.g. (states, router logits): not a block this knows how to join
+        from eaglenest import EaglenestError
+
+        raise EaglenestError(f"exact verification: the mixture-of-experts block {type(forward.__self__).__name__} returns "
+                             f"{type(outs[0]).__name__}, not a tensor of states, so it cannot be run token by token; "
+                             "--attention model keeps the model's own forward (exactness then only probed)")
+    out = torch.cat(outs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def set_block_rowwise(module: torch.nn.Module, max_rows: int | None) -> None:
+    """Run a token-wise block (an MoE block: each token's output depends on that token alone) one
+    token at a time in forwards of 2..max_rows rows (None: as it is again)."""
+    if max_rows is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = functools.partial(_block_by_rows, max_rows, type(module).forward.__get__(module))
+
+
 def linear_groups(model) -> dict[tuple, list[str]]:
     """Linear modules grouped by what selects the kernel: (weight shape, dtype, device, bias)."""
     groups: dict[tuple, list[str]] = {}
@@ -389,7 +429,7 @@ def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "ro
     sizes = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows) if int(r) > 1})
     most = max(sizes, default=1)
     dtype = next(model.parameters()).dtype
-    rowwise: dict = {"attention": None, "linears": [], "all_linears": False}
+    rowwise: dict = {"attention": None, "linears": [], "all_linears": False, "moe_blocks": None}
     probe: dict = {"threads": torch.get_num_threads(), "rows_probed": sizes, "linears": None}
     groups = linear_groups(model)
     modules = dict(model.named_modules())
@@ -407,6 +447,13 @@ def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "ro
         install_rowwise_attention(model, most)
         rowwise["attention"] = ("every query row of a verification forward is one single-query SDPA call over the keys "
                                 "it may see (multi-row SDPA is not row-invariant)")
+        if blocks := moe_blocks(model):
+            for m in blocks.values():
+                set_block_rowwise(m, most)
+            rowwise["moe_blocks"] = {"modules": len(blocks), "example": next(iter(blocks)),
+                                     "why": "a mixture-of-experts block computes its experts on the tokens routed to them "
+                                            "together, so a verified token's arithmetic depends on the others: each token "
+                                            "runs the block alone, as in plain decoding"}
         probe["linears"] = []
         for (shape, dt, _dev, bias), names in groups.items():
             res = probe_linear(modules[names[0]], sizes)
@@ -446,6 +493,8 @@ def summary(v: dict | None) -> str:
     parts = []
     if rw.get("attention"):
         parts.append("attention row-wise")
+    if rw.get("moe_blocks"):
+        parts.append(f"MoE blocks token by token ({rw['moe_blocks']['modules']})")
     if rw.get("all_linears"):
         parts.append("all linears row-wise")
     elif rw.get("linears"):
