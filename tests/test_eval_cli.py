@@ -96,7 +96,7 @@ def test_attention_default_is_device_aware(tiny_llama_dir, tiny_draft_dir, bench
     r = json.loads(out.read_text())
     v = r["verification"]
     assert r["attention"] == "sdpa" and v["attention"] == "model"
-    assert v["rowwise"] == {"attention": None, "linears": [], "all_linears": False} and v["probe_result"]["linears"] is None
+    assert v["rowwise"] == {"attention": None, "linears": [], "all_linears": False, "moe_blocks": None} and v["probe_result"]["linears"] is None
     assert isinstance(v["exact"], bool) and len(v["probe_result"]["end_to_end"]) == 1
 
 
