@@ -122,7 +122,7 @@ class Client:
                 raise
 
         retrying = Retrying(stop=stop_after_attempt(self.retries + 1),
-                            wait=wait_exponential_jitter(initial=self.backoff, max=self.max_backoff, jitter=self.backoff),
+                            wait=wait_exponential_jitter(multiplier=self.backoff, max=self.max_backoff, jitter=self.backoff),
                             retry=retry_if_exception(lambda e: isinstance(e, RequestFailed) and e.retryable),
                             reraise=True)
         try:
