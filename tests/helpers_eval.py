@@ -20,12 +20,13 @@ def load_tiny(path, dtype=torch.float32, std: float | None = 0.3):
 
 
 def diversify(model, std: float = 0.3, seed: int = 1):
-    """Re-draw a random target's matrices (not the tied embeddings) with a larger std: the default
-    init makes a tiny random Llama repeat one token forever, which would hide cache bugs."""
+    """Re-draw a random target's matrices (not the tied embeddings; an MoE's stacked 3-D expert
+    weights too) with a larger std: the default init makes a tiny random Llama (or Qwen3-MoE)
+    repeat one token forever, which would hide cache bugs."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in n:
+            if p.dim() >= 2 and "embed" not in n:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * std)
     return model
 

@@ -151,9 +151,24 @@ def test_kimi_k2_and_deepseek_v2_targets(tmp_path, smollm2):
         target_facts({"model_type": "made_up", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 9})
 
 
-def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(dsv3, monkeypatch):
-    """Exact verification on an MoE target.  The experts are 3-D weights that the MoE block calls
-    through F.linear on the tokens routed to each expert together, which no Linear-module fix
+def _tiny_qwen3_moe():
+    """A random Qwen3-MoE (4 layers, the fewest EAGLE-3 takes; 8 experts, every layer sparse), built in-process."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048, tie_word_embeddings=False))
+
+
+MOE_CLASSES = ("DeepseekV3MoE", "Qwen3MoeSparseMoeBlock")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(family, dsv3, monkeypatch):
+    """Exact verification on an MoE target (fp32).  The experts are 3-D weights that the MoE block
+    calls through F.linear on the tokens routed to each expert together, which no Linear-module fix
     reaches.  With the experts' batched calls made row-count dependent in-process (as some blocked
     GEMMs are), the end-to-end probe sees a verification forward differ from plain decoding unless
     the blocks run token by token (exact.moe_blocks); with them it is bit-identical, and greedy
@@ -165,19 +180,21 @@ def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(dsv3, mon
     from eaglenest.evaluate import exact
     from eaglenest.evaluate.specdec import SpecDecoder
 
-    m = diversify(AutoModelForCausalLM.from_pretrained(dsv3, dtype=torch.float32)).eval().requires_grad_(False)
-    cfg = m.config
-    expert_shape = (2 * cfg.moe_intermediate_size, cfg.hidden_size)  # gate_up_proj[e]
+    m = AutoModelForCausalLM.from_pretrained(dsv3, dtype=torch.float32) if family == "deepseek_v3" else _tiny_qwen3_moe()
+    m = diversify(m).eval().requires_grad_(False)  # varied greedy outputs
+    expected = {n for n, b in m.named_modules() if type(b).__name__ in MOE_CLASSES}
+    assert expected, "the family's MoE class is not named in MOE_CLASSES"
+    block = m.get_submodule(sorted(expected)[0])
+    expert_shape = tuple(block.experts.gate_up_proj.shape[1:])
     assert expert_shape not in {shape for shape, *_ in exact.linear_groups(m)}  # no Linear module shares it
     monkeypatch.setattr(torch.nn.functional, "linear", _batch_dependent_linear(expert_shape))
 
     v = exact.prepare(m, rows=4)
     blocks = exact.moe_blocks(m)
-    assert len(blocks) == cfg.num_hidden_layers - cfg.first_k_dense_replace and v["rowwise"]["moe_blocks"]["modules"] == len(blocks)
-    assert "MoE blocks token by token (7)" in exact.summary(v)
+    assert set(blocks) == expected and v["rowwise"]["moe_blocks"]["modules"] == len(blocks)
+    assert f"MoE blocks token by token ({len(blocks)})" in exact.summary(v)
     assert v["probe_result"]["end_to_end"][0]["exact"] is True, v["probe_result"]["end_to_end"]
-    x = torch.randn(1, 4, cfg.hidden_size)
-    block = next(iter(blocks.values()))
+    x = torch.randn(1, 4, m.config.hidden_size)
     assert torch.equal(block(x), torch.cat([block(x[:, i : i + 1]) for i in range(4)], dim=1))
 
     for b in blocks.values():  # the blocks as transformers runs them: the probe catches the difference
@@ -187,7 +204,7 @@ def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(dsv3, mon
         exact.set_block_rowwise(b, 4)
     assert exact.probe_end_to_end(m, 4)["exact"]
 
-    d = random_draft(m, draft_vocab=4096, attention="mla")
+    d = random_draft(m, draft_vocab=4096, **({"attention": "mla"} if family == "deepseek_v3" else {}))
     for p in ([1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253]):
         ref = plain_greedy(m, p, 16)
         assert len(set(ref)) > 2, ref  # a target that repeats one token would hide a wrong cache
