@@ -181,13 +181,18 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.numel() else 0
 
 
-def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+def _each_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn applied to each row of x alone, shaped as plain decoding feeds it ([1, 1, K]), joined back."""
     rows = _rows(x)
-    if rows <= 1 or rows > max_rows:  # plain decoding (already one row) and long prefills
-        return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, 1, x.shape[-1])
-    out = torch.cat([F.linear(flat[i : i + 1], module.weight, module.bias) for i in range(rows)])
+    out = torch.cat([fn(flat[i : i + 1]) for i in range(rows)])
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+    if not 1 < _rows(x) <= max_rows:  # plain decoding (already one row) and long prefills
+        return F.linear(x, module.weight, module.bias)
+    return _each_row(lambda r: F.linear(r, module.weight, module.bias), x)
 
 
 def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, fp32_prefill: bool = False) -> torch.Tensor:
@@ -201,7 +206,7 @@ def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, f
     return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
 
 
-def _set_forward(module: torch.nn.Linear, how, max_rows: int | None) -> None:
+def _set_forward(module: torch.nn.Module, how, max_rows: int | None) -> None:
     if max_rows is None:
         module.__dict__.pop("forward", None)
     else:
@@ -232,29 +237,28 @@ def moe_blocks(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
 
 
-def _block_by_rows(max_rows: int, forward, x: torch.Tensor) -> torch.Tensor:
-    rows = _rows(x)
-    if rows <= 1 or rows > max_rows:  # plain decoding and long prefills: the block as it is
+def _block_by_rows(module: torch.nn.Module, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+    forward = type(module).forward.__get__(module)  # the class's own forward, under the one installed here
+    if not 1 < _rows(x) <= max_rows:  # plain decoding and long prefills: the block as it is
         return forward(x)
-    flat = x.reshape(rows, 1, x.shape[-1])  # each token alone, shaped as plain decoding feeds it ([1, 1, H])
-    outs = [forward(flat[i : i + 1]) for i in range(rows)]
-    if not isinstance(outs[0], torch.Tensor):  # e.g. (states, router logits): not a block this knows how to join
-        from eaglenest import EaglenestError
 
-        raise EaglenestError(f"exact verification: the mixture-of-experts block {type(forward.__self__).__name__} returns "
-                             f"{type(outs[0]).__name__}, not a tensor of states, so it cannot be run token by token; "
-                             "--attention model keeps the model's own forward (exactness then only probed)")
-    out = torch.cat(outs)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    def one(r: torch.Tensor) -> torch.Tensor:
+        out = forward(r)
+        if not isinstance(out, torch.Tensor):  # e.g. (states, router logits): not a block this knows how to join
+            from eaglenest import EaglenestError
+
+            raise EaglenestError(f"exact verification: the mixture-of-experts block {type(module).__name__} returns "
+                                 f"{type(out).__name__}, not a tensor of states, so it cannot be run token by token; "
+                                 "--attention model keeps the model's own forward (exactness then only probed)")
+        return out
+
+    return _each_row(one, x)
 
 
 def set_block_rowwise(module: torch.nn.Module, max_rows: int | None) -> None:
     """Run a token-wise block (an MoE block: each token's output depends on that token alone) one
     token at a time in forwards of 2..max_rows rows (None: as it is again)."""
-    if max_rows is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = functools.partial(_block_by_rows, max_rows, type(module).forward.__get__(module))
+    _set_forward(module, _block_by_rows, max_rows)
 
 
 def linear_groups(model) -> dict[tuple, list[str]]:
