@@ -9,7 +9,8 @@ import torch
 from eaglenest.draft.model import DraftConfig, Eagle3Draft, apply_rope
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.losses import TeacherRows
-from eaglenest.train.ttt import step_weights, ttt_forward
+from eaglenest.train.compaction import plan_rows
+from eaglenest.train.ttt import ttt_forward
 
 
 def tiny_draft(seed=0, V=300, Vd=120):
@@ -165,14 +166,17 @@ def test_padding_does_not_leak_into_valid_positions():
 
 
 def test_loss_mask_is_aligned_with_the_predicted_token():
-    # mask marks x_5..x_7 as assistant tokens; step j at index t predicts x_{t+2+j}
+    """mask marks x_5..x_7 as assistant tokens; step j at index t predicts x_{t+2+j} (its loss row) from
+    the teacher at t+1+j; a step computes only the rows with a loss at it or a later step."""
     mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]])
-    in_draft = torch.ones_like(mask, dtype=torch.bool)
-    (w0, m0), (w1, _), (w2, _) = step_weights(mask, in_draft, 3)
-    assert w0[0].nonzero().flatten().tolist() == [3, 4, 5]  # predicts x_5..x_7
-    assert w1[0].nonzero().flatten().tolist() == [2, 3, 4]
-    assert w2[0].nonzero().flatten().tolist() == [1, 2, 3]
-    # a teacher argmax outside the draft vocab removes the loss but keeps the accuracy count
-    in_draft[0, 5] = False  # teacher position 5 = step-0 index 4
-    (w0, m0), *_ = step_weights(mask, in_draft, 1)
-    assert w0[0].nonzero().flatten().tolist() == [3, 5] and m0[0].nonzero().flatten().tolist() == [3, 4, 5]
+    p = plan_rows(mask, 3)
+    assert p.loss0.tolist() == [3, 4, 5]  # step 0 predicts x_5..x_7
+    s1, s2 = p.steps
+    assert s1.idx.tolist() == [1, 2, 3, 4] and s1.idx[s1.loss].tolist() == [2, 3, 4]
+    assert s2.idx.tolist() == [1, 2, 3] and s2.idx[s2.loss].tolist() == [1, 2, 3]
+    assert s2.prev.tolist() == [0, 1, 2]  # rows 1, 2, 3 among step 1's rows 1..4
+    assert p.loss_teacher.tolist() == [4, 5, 6] * 3 and p.step_of_loss.tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    assert p.teacher_rows.tolist() == [4, 5, 6] and p.counts == [3, 3, 3]
+    assert p.rows_computed == 10 + 4 + 3
+    full = plan_rows(mask, 3, compact=False)
+    assert [s.rows for s in full.steps] == [10, 10] and full.loss_teacher.tolist() == p.loss_teacher.tolist()

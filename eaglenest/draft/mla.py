@@ -100,8 +100,8 @@ class MLAAttention(nn.Module):
         k, v = self._expand(cache_append(past_kv, (latent,))[0])
         return self._out(eager_attention(q, k, v, mask, (), self.scale)), (latent,)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None):
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
         """Training-time test (see `model.ttt_attention`) on the expanded keys and values."""
         q, latent = self._project(x, cos, sin)
         k, v = self._expand(latent)
-        return self._out(ttt_attention(q, k, v, ctx_kv, diag_kv, kernel, self.scale)), (k, v)
+        return self._out(ttt_attention(q, k, v, ctx_kv, diag_kv, kernel, self.scale, rows)), (k, v)

@@ -29,10 +29,11 @@ Attention (either kind) has two paths, one per use (the kernels live in kernels.
   * decoding, `Eagle3Draft.step(.., past_kv, mask)`: keys = the cache (the attention's own
     per-position entries: (K, V) or MLA's latent; `cache_append`) + the new ones, under a
     boolean mask [.., Tq, Tk] (tree/chain ancestry; causal for a whole sequence);
-  * training-time test, `Eagle3Draft.ttt_step(.., ctx_kv, diag_kv, kernel)`: step 0's keys
+  * training-time test, `Eagle3Draft.ttt_step(.., ctx_kv, diag_kv, kernel, rows)`: step 0's keys
     causally, plus, at step j > 0, key t of every step 1..j at query t (the "diagonal": each step
-    attends to the same positions of earlier steps).  `kernel` computes the causal part and
-    returns its log-sum-exp so the diagonal keys merge exactly; None = the materializing reference.
+    attends to the same positions of earlier steps).  Steps j > 0 run only the rows that still
+    carry a loss (`rows`, train/compaction.py).  `kernel` computes the causal part and returns its
+    log-sum-exp so the diagonal keys merge exactly; None = the materializing reference.
 """
 
 from __future__ import annotations
@@ -226,26 +227,34 @@ class Attention(nn.Module):
         keys = cache_append(past_kv, (k, v))
         return self._out(eager_attention(qg, *keys, mask, (), self.scale)), (k, v)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None):
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
         """Training-time test (see `ttt_attention`).  Returns (output, own (K, V))."""
         qg, k, v = self._qkv(x, cos, sin)
-        return self._out(ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, self.scale)), (k, v)
+        return self._out(ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, self.scale, rows)), (k, v)
 
 
-def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float):
-    """Training-time-test attention, shared by the attention kinds: step 0 (ctx_kv None) attends
-    causally to its own keys (k, v); step j > 0 to step 0's keys `ctx_kv` causally and, at query t,
-    to key t of each of `diag_kv` and of its own.  qg [B, kv, g, T, d_qk], k [B, kv, T, d_qk],
-    v [B, kv, T, d_v] (d_v may differ from d_qk: MLA)."""
-    T = qg.shape[3]
+def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float, rows=None):
+    """Training-time-test attention, shared by the attention kinds.  Step 0 (ctx_kv None): whole
+    sequences qg [B, kv, g, T, d_qk], k [B, kv, T, d_qk], v [B, kv, T, d_v] (d_v may differ: MLA),
+    causal over their own keys.  Step j > 0: the step's rows flat (qg [1, kv, g, N, d], k/v
+    [1, kv, N, d]); `rows` (train/compaction.py StepRows) lays them out per sample, where row t sees
+    step 0's keys `ctx_kv` ([B, kv, T, d]) 0..t and key t of each earlier step (`diag_kv`, flat as
+    they were computed) and of its own -- the diagonal."""
     if ctx_kv is None:
-        keys, diag = (k, v), list(diag_kv)
-    else:
-        keys, diag = ctx_kv, [*diag_kv, (k, v)]
+        T = qg.shape[3]
+        if kernel is None:
+            return eager_attention(qg, k, v, torch.ones(T, T, dtype=torch.bool, device=qg.device).tril()[None], (), scale)
+        return kernel(qg, k, v, scale)[0]
+    q = rows.padded(qg)
+    diag = [(rows.padded(dk, of), rows.padded(dv, of)) for (dk, dv), of in zip(diag_kv, rows.diag)]
+    diag.append((rows.padded(k), rows.padded(v)))
     if kernel is None:
-        causal = torch.ones(T, T, dtype=torch.bool, device=qg.device).tril()[None]
-        return eager_attention(qg, *keys, causal, diag, scale)
-    return merge_diagonal(*kernel(qg, *keys, scale), qg, diag, scale)
+        from eaglenest.draft.kernels import visible_keys
+
+        out = eager_attention(q, *ctx_kv, visible_keys(rows.qpos, ctx_kv[0].shape[2])[:, 0], diag, scale)
+    else:
+        out = merge_diagonal(*kernel(q, *ctx_kv, scale, rows.qpos), q, diag, scale)
+    return rows.unpadded(out)
 
 
 # --- the decoding cache: whatever the attention keeps per position, as tensors [B, heads, T, d] ---
@@ -368,12 +377,14 @@ class Eagle3Draft(DraftVocab, nn.Module):
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn(x, cos, sin, past_kv, mask))
 
-    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None):
-        """One training-time-test step over whole sequences (see Attention.forward_ttt); `kernel`
-        from eaglenest.draft.kernels.causal_kernel (None: the materializing reference)."""
+    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
+        """One training-time-test step (see `ttt_attention`): step 0 over whole sequences [B, T], a later
+        step over its rows [1, N] (`rows`); `kernel` from eaglenest.draft.kernels.causal_kernel (None:
+        the materializing reference)."""
         cos, sin = self.rotary(position_ids)
         attn = self.midlayer.self_attn
-        return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel))
+        return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden,
+                             lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel, rows))
 
     # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
     def forward(self, input_ids, aux_hidden_states, position_ids=None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,10 +36,12 @@ class Batch:
     aux: torch.Tensor  # [B, T, 3H]
     last: torch.Tensor  # [B, T, H]
     n_tokens: int
+    plan: Any = None  # the TTT steps' rows (train/compaction.py RowPlan), built by the loader; None: built when used
 
     def pin_memory(self) -> "Batch":
         """Page-locked copies, so the host-to-GPU copies can be asynchronous."""
-        return Batch(*(t.pin_memory() for t in (self.input_ids, self.loss_mask, self.aux, self.last)), self.n_tokens)
+        return Batch(*(t.pin_memory() for t in (self.input_ids, self.loss_mask, self.aux, self.last)), self.n_tokens,
+                     None if self.plan is None else self.plan.map(torch.Tensor.pin_memory))
 
 
 def collate(store: FeatureStore, idx: list[int], max_len: int | None = None) -> Batch:

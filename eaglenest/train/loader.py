@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglenest.features import FeatureStore
+from eaglenest.train.compaction import plan_rows
 from eaglenest.train.data import Batch, Schedule, collate
 from eaglenest.train.ttt import denominators
 
@@ -41,6 +42,13 @@ class StepData:
     @property
     def n_samples(self) -> int:
         return sum(len(k) for k in self.keys)
+
+
+def with_plan(b: Batch, ttt: int) -> Batch:
+    """The batch with its TTT row plan (train/compaction.py), built here in the loader's thread so
+    the training step has no index arithmetic or host sync of its own."""
+    b.plan = plan_rows(b.loss_mask, ttt)
+    return b
 
 
 def step_data(step: int, epoch: int, loaded: list[tuple[tuple[int, ...], Batch]], ttt: int, failures=()) -> StepData:
@@ -72,7 +80,7 @@ class StoreSource(Source):
         self.store = store
 
     def load_batch(self, idx: list[int]) -> Batch:
-        b = collate(self.store, idx, self.max_len)
+        b = with_plan(collate(self.store, idx, self.max_len), self.ttt)
         return b.pin_memory() if self.pin else b
 
     def load(self, step: int) -> StepData:

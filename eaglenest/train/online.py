@@ -43,7 +43,7 @@ from eaglenest.capture.run import plan_batches, store_meta_for, validated
 from eaglenest.data import PreparedData, Sample
 from eaglenest.engines.base import Engine, Failure, Request
 from eaglenest.train.data import Batch, collate_items
-from eaglenest.train.loader import Source, StepData, step_data
+from eaglenest.train.loader import Source, StepData, step_data, with_plan
 from eaglenest.train.setup import FC_RMS_SAMPLES, aux_rms
 from eaglenest.utils import append_jsonl_durable, atomic_write_bytes, human_bytes, read_jsonl_tolerant
 
@@ -168,7 +168,7 @@ class OnlineSource(Source):
         got, bad = self.data.capture(idx, self.max_len)
         if not got:
             return None, bad
-        b = collate_items([t for _, t in got], self.max_len)
+        b = with_plan(collate_items([t for _, t in got], self.max_len), self.ttt)
         return (tuple(i for i, _ in got), b.pin_memory() if self.pin else b), bad
 
     def load_batch(self, idx: list[int], step: int = 0) -> Batch | None:

@@ -1,0 +1,131 @@
+"""Row compaction: which rows each training-time-test step computes, decided on the CPU from the loss mask.
+
+Row t of step j (sample b) reads token x_{t+1+j} and predicts x_{t+2+j}: it has a loss iff m_{t+2+j}
+(train/ttt.py).  Its output reaches a later step i only through row t itself (the hidden state fed
+back, the diagonal key t), and step i > 0 attends to step 0's keys -- never to another row of a
+step j > 0.  So step 0 computes every row (its keys are every later row's context), and step j > 0
+only the rows with a loss at step j or later: the same losses, gradients and statistics as
+computing every row, with the rows that carry nothing (the prompt, padding, the tail) skipped.
+
+Steps j > 0 hold their rows flat ([1, N_j, ..]: every row-wise op runs on N_j rows, no padding);
+their attention runs per sample on a padded [B, max_b N_jb] layout (`StepRows.padded`) whose
+query r sees step 0's keys 0..qpos[b, r].  Everything here is index arithmetic on the CPU (built by
+the loader, off the training thread): the step itself needs no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class StepRows:
+    """The rows of one step j > 0 (flat ids b*T + t, ascending) and how its attention lays them out."""
+
+    idx: torch.Tensor  # [N] flat row ids
+    tok: torch.Tensor  # [N] flat id of the token each row reads (x_{t+1+j}; B*T: past its sample's end, reads padding)
+    prev: torch.Tensor  # [N] position of each row among step j-1's rows
+    loss: torch.Tensor  # [L] positions among this step's rows of those with a loss at step j
+    pad: torch.Tensor  # [B * M] position among this step's rows of each padded slot (padding repeats a row)
+    qpos: torch.Tensor  # [B, M] sequence position t of each padded slot: it sees step 0's keys 0..t
+    unpad: torch.Tensor  # [N] padded slot of each row
+    diag: list[torch.Tensor]  # per step i = 1..j-1: [B * M] position among step i's rows of each slot's row
+
+    def padded(self, x: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor:
+        """x [1, .., N_i, d] (rows on dim -2) -> [B, .., M, d], by `of` (default: this step's own rows)."""
+        B, M = self.qpos.shape
+        y = x.index_select(-2, self.pad if of is None else of)  # [1, .., B*M, d]
+        return y.unflatten(-2, (B, M)).movedim(-3, 0).squeeze(1)
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, .., M, d] -> [1, .., N, d]."""
+        return x.movedim(0, -3).flatten(-3, -2).index_select(-2, self.unpad).unsqueeze(0)
+
+    @property
+    def rows(self) -> int:
+        return self.idx.numel()
+
+
+@dataclass
+class RowPlan:
+    B: int
+    T: int
+    loss0: torch.Tensor  # [L0] flat ids of step 0's rows with a loss
+    steps: list[StepRows]  # steps 1..ttt-1 (fewer when a step has no row left: later ones have none either)
+    teacher_rows: torch.Tensor  # [Q] flat ids q whose teacher distribution P_q some step reads (m_{q+1} = 1)
+    teacher_index: torch.Tensor  # [B*T] position of flat id q among teacher_rows (-1: not read)
+    step_of_loss: torch.Tensor  # [sum_j L_j] the step of each loss row, in step order (for per-step sums)
+    loss_teacher: torch.Tensor  # [sum_j L_j] flat teacher id (b*T + t+1+j) of each loss row, in step order
+    counts: list[int]  # L_j per step (the accuracy's denominator: every row whose predicted token is the answer's)
+
+    def map(self, fn) -> "RowPlan":
+        """The plan with `fn` applied to every tensor (a device move, pinning)."""
+        steps = [StepRows(*(([fn(x) for x in getattr(s, f.name)] if f.name == "diag" else fn(getattr(s, f.name)))
+                            for f in fields(StepRows))) for s in self.steps]
+        return RowPlan(self.B, self.T, fn(self.loss0), steps, fn(self.teacher_rows), fn(self.teacher_index),
+                       fn(self.step_of_loss), fn(self.loss_teacher), self.counts)
+
+    def to(self, device, non_blocking: bool = False) -> "RowPlan":
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def rows_computed(self) -> int:
+        """Rows the layer runs over all steps (B*T for step 0)."""
+        return self.B * self.T + sum(s.rows for s in self.steps)
+
+
+def _shifted(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """m[:, t] <- mask[:, t+n] > 0 (False past the end)."""
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    if n < mask.shape[1]:
+        out[:, : mask.shape[1] - n] = mask[:, n:] > 0
+    return out
+
+
+def plan_rows(loss_mask: torch.Tensor, ttt: int, compact: bool = True) -> RowPlan:
+    """The RowPlan of a [B, T] loss mask over `ttt` steps.  compact=False keeps every row at every step
+    (the reference the compacted plan must equal)."""
+    mask = loss_mask.detach().cpu()
+    B, T = mask.shape
+    ar = torch.arange(B * T)
+    has = [_shifted(mask, 2 + j).reshape(-1) for j in range(ttt)]  # loss at step j, per flat row
+    later = torch.zeros(B * T, dtype=torch.bool)
+    keep = [None] * ttt
+    for j in range(ttt - 1, 0, -1):
+        later = later | has[j]
+        keep[j] = later.clone() if compact else torch.ones(B * T, dtype=torch.bool)
+    pos_prev = ar  # step 0: every row, in flat order
+    pos_of = {}  # step i -> [B*T] position among its rows (-1: not computed)
+    steps, loss_ids, step_ids = [], [ar[has[0]]], [torch.zeros(int(has[0].sum()), dtype=torch.long)]
+    for j in range(1, ttt):
+        idx = ar[keep[j]]
+        if idx.numel() == 0:
+            break
+        pos = torch.full((B * T,), -1, dtype=torch.long)
+        pos[idx] = torch.arange(idx.numel())
+        pos_of[j] = pos
+        lid = ar[has[j]]
+        loss_ids.append(lid)
+        step_ids.append(torch.full((lid.numel(),), j, dtype=torch.long))
+        # the attention's padded layout: sample b's rows in slots 0..n_b-1, padding repeats its last row
+        b_of = idx // T
+        n_b = torch.bincount(b_of, minlength=B)
+        M = int(n_b.max())
+        start = torch.cumsum(n_b, 0) - n_b
+        slot = torch.arange(M)[None, :].clamp(max=(n_b - 1).clamp(min=0)[:, None])  # [B, M]
+        pad = (start[:, None] + slot).clamp(max=idx.numel() - 1)
+        rows_pad = idx[pad]  # flat id of each slot's row (an empty sample points at some row: its slots are dropped)
+        qpos = torch.where(n_b[:, None] > 0, rows_pad % T, torch.zeros_like(rows_pad))
+        unpad = b_of * M + (torch.arange(idx.numel()) - start[b_of])
+        diag = [pos_of[i][rows_pad.reshape(-1)] for i in range(1, j)]
+        tok = torch.where(idx % T + 1 + j < T, idx + 1 + j, B * T)  # only the uncompacted reference reads past the end
+        steps.append(StepRows(idx, tok, pos_prev[idx], pos[lid], pad.reshape(-1), qpos, unpad, diag))
+        pos_prev = pos
+    teacher_rows = ar[_shifted(mask, 1).reshape(-1)]
+    teacher_index = torch.full((B * T,), -1, dtype=torch.long)
+    teacher_index[teacher_rows] = torch.arange(teacher_rows.numel())
+    loss_teacher = torch.cat([lid + 1 + j for j, lid in enumerate(loss_ids)])
+    return RowPlan(B, T, loss_ids[0], steps, teacher_rows, teacher_index, torch.cat(step_ids), loss_teacher,
+                   [int(x.numel()) for x in loss_ids] + [0] * (ttt - len(loss_ids)))

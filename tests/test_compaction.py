@@ -1,0 +1,131 @@
+"""Row compaction (train/compaction.py): from TTT step 1 on only the rows with a loss at that step or a
+later one are computed, and the loss, the gradients and every logged statistic are those of computing
+every row (fp64; GQA and MLA drafts; several samples per micro-batch, all-prompt and all-answer ones;
+every attention kernel); the teacher read at its needed rows only gives the same; the flex block mask
+of the compacted queries is the dense one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_draft_kinds import KINDS, YARN, tiny
+
+from eaglenest.draft import kernels
+from eaglenest.train.compaction import plan_rows
+from eaglenest.train.losses import LossSpec, TeacherRows
+from eaglenest.train.ttt import denominators, ttt_forward
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ATTN = {"gqa": {}, "mla": KINDS["mla"], "eagle31": KINDS["eagle31"]}
+
+
+def batch(d, seed=3):
+    """Four samples: a chat (prompt, answer, prompt, answer), one all prompt, one all answer, a short one;
+    right-padded with garbage."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [19, 11, 14, 6]
+    B, T = len(lengths), max(lengths)
+    c = d.cfg
+    ids = torch.randint(0, c.vocab_size, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[0, 4:9] = 1
+    mask[0, 13:19] = 1
+    mask[2, :14] = 1
+    mask[3, 2:6] = 1
+    aux = torch.randn(B, T, 3 * c.target_hidden_size, generator=g, dtype=torch.float64)
+    tlogp = torch.log_softmax(torch.randn(B, T, c.draft_vocab_size, generator=g, dtype=torch.float64) * 2, -1)
+    targ = torch.randint(0, c.vocab_size, (B, T), generator=g)
+    log_mass = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    return ids, mask, aux, TeacherRows.from_probs(tlogp.exp(), targ, log_mass)
+
+
+def run(d, ids, mask, aux, teacher, ttt, compact, impl="eager", loss="ce", **kw):
+    plan = plan_rows(mask, ttt, compact=compact)
+    total, stats = ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=5, attn_impl=impl,
+                               loss=LossSpec.parse(loss), want_alpha=True, plan=plan, **kw)
+    return total, torch.autograd.grad(total, list(d.parameters())), stats, plan
+
+
+@pytest.mark.parametrize("attention", list(ATTN))
+@pytest.mark.parametrize("impl", ["eager", "chunked", "sdpa"])
+@pytest.mark.parametrize("loss", ["ce", "lk_hybrid"])
+def test_compacted_rows_equal_every_row(attention, impl, loss):
+    d = tiny(ATTN[attention], rope=YARN if attention == "mla" else None)
+    ids, mask, aux, teacher = batch(d)
+    ttt = 4
+    kern = kernels.ChunkedCausal(chunk_elems=48) if impl == "chunked" else impl  # several query chunks
+    full, g_full, s_full, p_full = run(d, ids, mask, aux, teacher, ttt, False, kern, loss)
+    comp, g_comp, s_comp, p_comp = run(d, ids, mask, aux, teacher, ttt, True, kern, loss)
+    torch.testing.assert_close(comp, full, rtol=1e-12, atol=1e-14)
+    for (name, _), a, b in zip(d.named_parameters(), g_comp, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13, msg=name)
+    assert s_comp.keys() == s_full.keys() and set(s_comp) >= {"loss_sum", "correct", "count", "loss_count", "alpha_sum", "p_argmax_sum"}
+    for k in s_comp:
+        assert s_comp[k] == pytest.approx(s_full[k], rel=1e-10, abs=1e-12), k
+    B, T = ids.shape
+    assert p_full.rows_computed == ttt * B * T
+    assert p_comp.rows_computed < 0.8 * p_full.rows_computed  # the prompt, the padding and the tails are skipped
+    assert all(g.abs().sum() > 0 for g in g_comp)
+
+
+def test_recompute_and_the_compact_teacher_change_nothing():
+    """Per-step activation checkpointing over compacted steps, and a teacher holding only the rows a step
+    reads (what the trainer passes), give the same loss and gradients."""
+    d = tiny({})
+    ids, mask, aux, teacher = batch(d, seed=5)
+    ttt = 3
+    ref, g_ref, s_ref, plan = run(d, ids, mask, aux, teacher, ttt, True)
+    q = plan.teacher_rows
+    small = TeacherRows(teacher.logits[q], teacher.argmax[q], teacher.log_mass[q])
+    assert q.numel() < ids.numel()
+    for kw, t in (({"recompute": True}, teacher), ({}, small)):
+        out, g, s, _ = run(d, ids, mask, aux, t, ttt, True, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+        assert all(s[k] == pytest.approx(s_ref[k]) for k in s_ref)
+    with pytest.raises(ValueError, match="teacher has"):
+        ttt_forward(d, ids, aux, TeacherRows(teacher.logits[:3], teacher.argmax[:3]), mask, ttt, denominators(mask, ttt))
+
+
+def test_a_batch_whose_later_steps_have_no_rows():
+    """Answers at the start: step 2 on has no loss row; those steps are skipped, their stats are 0."""
+    d = tiny({})
+    ids, mask, aux, teacher = batch(d, seed=7)
+    mask = torch.zeros_like(mask)
+    mask[0, 2] = mask[1, 3] = 1  # predicted by step 0 (rows 0 and 1) and, for sample 1, step 1 (row 0)
+    plan = plan_rows(mask, 4)
+    assert plan.counts == [2, 1, 0, 0] and len(plan.steps) == 1
+    total, g, stats, _ = run(d, ids, mask, aux, teacher, 4, True)
+    full, g_full, s_full, _ = run(d, ids, mask, aux, teacher, 4, False)
+    torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-14)
+    assert all(stats[k] == pytest.approx(s_full[k]) for k in s_full) and stats["count"] == [float(c) for c in plan.counts]
+
+
+def test_compacted_flex_block_mask_is_the_dense_mask():
+    """qpos_block_mask (built from block structure, no T x T evaluation) marks exactly the visible keys:
+    its dense form equals create_block_mask over the same mask_mod, and no visible block is skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    B, Tq, Tk, blk = 2, 256, 384, 64
+    qpos = torch.sort(torch.randint(0, Tk, (B, Tq), generator=g), dim=1).values
+    qpos[1, :70] = 5  # a block whose queries see only the first key block, partially
+    bm = kernels.qpos_block_mask(qpos, Tk, blk)
+    ref = create_block_mask(lambda b, h, q, k: k <= qpos[b, q], B, 1, Tq, Tk, device="cpu", BLOCK_SIZE=blk)
+    assert torch.equal(bm.to_dense(), ref.to_dense())
+    dense = (torch.arange(Tk)[None, None, :] <= qpos[:, :, None])
+    # every (query block, key block) pair with a visible key is listed (full or partial)
+    listed = bm.to_dense()[:, 0].bool()
+    seen = dense.view(B, Tq // blk, blk, Tk // blk, blk).any(4).any(2)
+    assert torch.equal(listed, seen)
+
+
+def test_flex_forward_with_compacted_queries_equals_eager():
+    d = tiny({})
+    ids, mask, aux, teacher = batch(d, seed=9)
+    with torch.no_grad():
+        ref, _ = ttt_forward(d, ids, aux, teacher, mask, 3, denominators(mask, 3))
+        fl, _ = ttt_forward(d, ids, aux, teacher, mask, 3, denominators(mask, 3), attn_impl=kernels.FlexCausal(compile=False, block=16))
+    torch.testing.assert_close(fl, ref, rtol=1e-10, atol=1e-12)
