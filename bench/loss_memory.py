@@ -2,7 +2,7 @@
 teacher's representation change (issue 24.5), counted on the meta device (nothing is allocated).
 
 One loss step = `Teacher.targets` of N final states (bf16 matmuls, as under `--dtype auto` on CUDA)
-and, chunk by chunk as under `checkpoint_logits` (the CUDA path), the draft's logits
+and, chunk by chunk through the fused head + loss (losses.head_loss), the draft's logits
 (hidden [c, H] @ lm_head [Vd, H]^T, bf16) through the loss, forward and backward.  The draft's layer
 and the TTT loop are not part of it (they do not depend on the vocabulary).  The previous code is
 `git show b841df4:eaglenest/train/ttt.py` at its CUDA chunk sizes (teacher 8192 rows, logits 4096).
@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from eaglenest.train.losses import LossSpec, chunk_loss, chunk_rows, loss_step_bytes  # noqa: E402
+from eaglenest.train.losses import LossSpec, SoftTarget, chunk_rows, head_loss, loss_step_bytes  # noqa: E402
 from eaglenest.train.memtrace import LiveTensorBytes  # noqa: E402
 from eaglenest.train.ttt import TEACHER_CHUNK_ELEMS, Teacher  # noqa: E402
 
@@ -50,8 +50,6 @@ def inputs(N: int, V: int, Vd: int, H: int, device: str):
 
 
 def new_step(N, V, Vd, H, device, spec: LossSpec, chunk: int | None = None) -> dict:
-    from torch.utils.checkpoint import checkpoint
-
     W, rows, t2d, last, head, hidden, w = inputs(N, V, Vd, H, device)
     teacher = Teacher(None, 1e-6, W, rows, t2d, matmul_dtype=torch.bfloat16)
     teacher.heads()  # the draft-rows head (a copy unless the draft vocabulary is the whole one) is model memory, not the step's
@@ -59,13 +57,7 @@ def new_step(N, V, Vd, H, device, spec: LossSpec, chunk: int | None = None) -> d
     with LiveTensorBytes() as m:
         t = teacher.targets(last, mass=spec.needs_alpha)
         kept, teacher_peak = m.live, m.peak
-        for s in range(0, N, c):
-            r = torch.arange(s, min(N, s + c), device=device)
-
-            def f(hc, r=r):
-                return chunk_loss(hc @ head.T, t, r, w[r], spec)[0]
-
-            checkpoint(f, hidden[s : s + c], use_reentrant=False).backward()
+        head_loss(hidden, head, SoftTarget(t, torch.arange(N, device=device), spec), w, c)[0].backward()
     return {"peak_bytes": m.peak, "teacher_peak_bytes": teacher_peak, "teacher_kept_bytes": kept, "largest_tensor": list(m.largest),
             "largest_by_dtype": {k: list(v) for k, v in m.largest_by_dtype.items()},
             "loss_chunk_rows": c, "teacher_chunk_rows": max(1, TEACHER_CHUNK_ELEMS // V)}

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.train.losses import LossSpec, TeacherRows, chunk_loss, loss_step_bytes
+from eaglenest.train.losses import LossSpec, SoftTarget, TeacherRows, head_loss, loss_step_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+def chunk_loss(z, teacher, trows, w, spec, want_alpha=False):
+    """The fused head + loss on logits z itself (an identity head, so d/dh is d/dz), in chunks of 7
+    rows: (sum_i w_i loss_i, argmax, alpha, p(argmax))."""
+    val, _, arg, alpha, p_arg = head_loss(z, torch.eye(z.shape[1], dtype=z.dtype), SoftTarget(teacher, trows, spec), w, 7, want_alpha)
+    return val, arg, alpha, p_arg
+
 
 MIXES = ["ce", "kl", "tv", "nla", "lk_hybrid", "ce:0.1,tv:0.9", "kl:0.5,nla:2,lk_hybrid:0.25"]
 
@@ -152,7 +159,14 @@ def test_ce_is_numerically_the_previous_ce(dtype):
     (g_new,) = torch.autograd.grad(new, logits)
     (g_old,) = torch.autograd.grad(old, logits)
     torch.testing.assert_close(new, old, rtol=1e-6, atol=0)
-    torch.testing.assert_close(g_new.float(), g_old.float(), rtol=1e-6, atol=1e-9)
+    # the gradient: q as exp(z - max) / sum instead of exp(z - lse) (fp32 rounding apart), and the row's
+    # weight applied to the head's [rows, H] product instead of the [rows, Vd] logits gradient: in bf16
+    # that is one more bf16 rounding here, where the identity head makes the product exact: the two are at
+    # most three half-ulps (3 * 2^-8 relative) apart
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(g_new.float(), g_old.float(), rtol=3 * 2**-8, atol=1e-9)
+    else:
+        torch.testing.assert_close(g_new, g_old, rtol=1e-5, atol=1e-8)
     assert torch.equal(a_new, a_old)
 
 

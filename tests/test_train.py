@@ -93,31 +93,6 @@ def test_argmax_cache_of_later_epochs_changes_nothing(tiny_llama_dir, tiny_store
     assert [r["train_acc"] for r in a] == [r["train_acc"] for r in b]
 
 
-def test_logits_checkpoint_on_and_off_train_the_same_draft(tiny_llama_dir, tiny_store, tmp_path):
-    """--logits-checkpoint: recomputing each chunk's draft logits in backward (on; CUDA's default) or
-    keeping them (off; the CPU's) is the same function and gradient: same losses, same weights."""
-    from safetensors.torch import load_file
-
-    runs = {}
-    for mode in ("on", "off"):
-        t = Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / mode, logits_checkpoint=mode, max_steps=4))
-        assert t.objective.checkpoint_logits is (mode == "on")
-        t.fit()
-        runs[mode] = t
-    assert Trainer(cfg(tiny_llama_dir, tiny_store, tmp_path / "auto")).objective.checkpoint_logits is False  # a CPU run
-    from eaglenest.train.objective import logits_checkpoint
-
-    assert logits_checkpoint("auto", "cuda:1") is True and logits_checkpoint("off", "cuda") is False
-    assert losses(tmp_path / "on") == pytest.approx(losses(tmp_path / "off"), rel=1e-6, abs=1e-7)
-    assert len(set(losses(tmp_path / "on"))) > 2
-    w = {m: load_file(str(next((tmp_path / m / "checkpoints").glob("step-*")) / "model.safetensors")) for m in runs}
-    assert w["on"].keys() == w["off"].keys()
-    for k in w["on"]:
-        assert torch.allclose(w["on"][k], w["off"][k], rtol=1e-5, atol=1e-6), k
-    with pytest.raises(EaglenestError, match="--logits-checkpoint must be one of"):
-        cfg(tiny_llama_dir, tiny_store, tmp_path / "bad", logits_checkpoint="sometimes").validate()
-
-
 def test_cpu_attention_follows_the_dtype_and_bf16_kernels_agree(tiny_llama_dir, tiny_store, tmp_path):
     """--attn-impl auto on a CPU: torch's flash kernel (sdpa) under bf16 autocast, the eager reference in
     fp32; and the bf16 run's losses with the flash kernel stay close to eager's over the same steps."""

@@ -98,9 +98,8 @@ class TrainConfig:
                             "compute the same function)", choices=ATTN_CHOICES)
     recompute: str = option("auto", "activation checkpointing of each TTT step (auto: on CUDA when activations would not fit)",
                             choices=["auto", "none", "layer"])
-    logits_chunk: int = option(0, "rows of draft logits alive at once (0: 1024 on CPU, 4096 on CUDA)")
-    logits_checkpoint: str = option("auto", "recompute each chunk's draft logits in backward instead of keeping them for it "
-                                    "(auto: on CUDA, where memory is the limit; off on a CPU)", choices=["auto", "on", "off"])
+    logits_chunk: int = option(0, "rows of draft logits alive at once in the fused head + loss (0: 1024 on CPU, 4096 on "
+                               "CUDA; fewer for a large draft vocabulary); no logits are kept for backward")
     prefetch: int = option(2, "optimizer steps of micro-batches read ahead of the loop (0: read in the loop)")
     loader_threads: int = option(1, "threads reading and collating prefetched micro-batches")
     report_to: str = option("jsonl", "metrics sink: jsonl (RUN_DIR/metrics.jsonl, always written) or tensorboard "
@@ -164,7 +163,7 @@ class TrainConfig:
         if self.freeze_head and self.init_head != "target":
             raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
         for name, allowed in (("attn_impl", ATTN_CHOICES), ("recompute", ["auto", "none", "layer"]),
-                              ("logits_checkpoint", ["auto", "on", "off"]), ("init_head", ["target", "random"]),
+                              ("init_head", ["target", "random"]),
                               ("fc_init", ["scaled", "high", "random"]), ("dtype", ["auto", "bf16", "fp32"]),
                               ("report_to", ["jsonl", "tensorboard"]), ("capture_dtype", ["bf16", "fp32"]),
                               ("draft_attention", ["gqa", "mla", "auto"])):

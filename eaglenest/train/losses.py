@@ -1,9 +1,12 @@
-"""Training losses of a draft against the target, one chunk of positions at a time.
+"""Training losses of a draft against the target, and the fused draft head that computes them.
 
-Every loss here reads one chunk of draft logits z [c, Vd] (over the draft vocabulary) and the
-matching rows of the teacher (`TeacherRows`, from `Teacher.targets` in ttt.py), and returns the
-weighted sum over the chunk with a hand-written gradient: the EAGLE-3 TTT loop (ttt.py) and a
-block objective (DFlash) call the same `chunk_loss`.  Mixes are weighted sums (`LossSpec`).
+`head_loss` is the one home of a draft's output loss (the EAGLE-3 TTT loop in ttt.py and DFlash's
+block objective both call it): the lm_head matmul and the loss of rows of normed draft states, one
+chunk of rows at a time, with the gradients with respect to the states and the head's weight
+computed in the forward (no [rows, Vd] logits tensor is kept for backward or recomputed there).
+Per chunk it reads draft logits z [c, Vd] (over the draft vocabulary) and either the matching rows
+of the teacher (`SoftTarget`: `TeacherRows` from `Teacher.targets` in ttt.py, under a `LossSpec`
+mix) or hard labels (`HardTarget`, DFlash); the gradients with respect to z are written out by hand.
 
 Which target distribution each loss uses, and why:
   * p  = the target's softmax over its FULL vocabulary, restricted to the draft vocabulary (not
@@ -29,15 +32,16 @@ with d alpha / dz = q * (m - <m, q>), m = [q < p] (the tokens where the draft is
 |d(-log alpha)/dz|_1 <= 2 for every alpha > 0 (the q-mass where q < p is at most alpha), so nla
 needs no clipping; alpha is floored at 1e-30 only against 0/0 where it underflows.
 
-Memory (per chunk of c rows): the draft logits upcast to fp32 (saved for backward, as in the former
-SoftCrossEntropy) plus transient fp32 [c, Vd] tensors (p^, q, p, their minimum, the gradient):
-~16 c Vd bytes for ce/kl, ~26 c Vd for the alpha losses.  `chunk_rows` keeps c x Vd at
-LOSS_CHUNK_ELEMS, so a 163,840-token vocabulary (Kimi-K2.5, no reduced draft vocabulary) runs
-819-row chunks instead of 4096.  The formula of the whole step is `loss_step_bytes`.
+Memory (per chunk of c rows): transient >= fp32 [c, Vd] tensors (q, p^, for the alpha losses p,
+their minimum, the mask): ~16 c Vd bytes for ce/kl, ~26 c Vd for the alpha losses; kept until
+backward, the rows' and the head's gradients.  `chunk_rows` keeps c x Vd at LOSS_CHUNK_ELEMS, so a
+163,840-token vocabulary (Kimi-K2.5, no reduced draft vocabulary) runs 819-row chunks instead of
+4096.  The formula of the whole step is `loss_step_bytes`.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +54,8 @@ ALPHA_KINDS = ("tv", "nla", "lk_hybrid")  # need p, i.e. the teacher's full-voca
 LOSS_CHUNK_ELEMS = 1 << 27  # rows x draft vocabulary of one loss chunk (fp32: 512 MiB per [c, Vd] tensor)
 PROBS_CACHE_BYTES = 1 << 28  # a micro-batch's fp32 p^ is kept whole up to this size (TeacherRows.probs_cache)
 ALPHA_FLOOR = 1e-30
+HEAD_GRAD_FP32_BYTES = 1 << 30  # the head's gradient sums its row chunks in fp32 up to this size (every Llama/Qwen draft
+# vocabulary), in the weight's dtype beyond (Kimi-K2.5's 163,840 x 7168 head would need 4.7 GB more)
 
 
 def chunk_rows(default: int, draft_vocab: int) -> int:
@@ -59,23 +65,28 @@ def chunk_rows(default: int, draft_vocab: int) -> int:
 
 
 def loss_step_bytes(N: int, V: int, Vd: int, H: int, c: int, ct: int, mass: bool, alpha_loss: bool) -> int:
-    """Upper bound of the tensor bytes of the teacher + one loss step under bf16 (Teacher.targets of N
-    positions, then c-row chunks of draft logits through the loss, forward and backward, as under
-    checkpointing on CUDA), ct = TEACHER_CHUNK_ELEMS // V teacher rows, `mass` = the log-sum-exp is
-    computed, `alpha_loss` = tv/nla/lk_hybrid in the mix.  Measured op by op on the meta device by
+    """Upper bound of the tensor bytes of the teacher + the fused head and loss under bf16
+    (Teacher.targets of N positions, then `head_loss` over N rows in c-row chunks, forward and
+    backward), ct = TEACHER_CHUNK_ELEMS // V teacher rows, `mass` = the log-sum-exp is computed,
+    `alpha_loss` = tv/nla/lk_hybrid in the mix.  Measured op by op on the meta device by
     bench/loss_memory.py (bench/results/loss_memory.json; tests/test_losses.py checks the bound):
       kept by the teacher   N (2 Vd + 8 + 4 mass)              bf16 logits, argmax, log-mass
                             + 4 N Vd if that is <= PROBS_CACHE_BYTES (the p^ cache)
       teacher's transient   ct (V (4 + 2 mass) + 4 Vd mass)    0 when Vd = V (one head matmul)
-      one loss chunk        4 u c Vd + 2 Vd H                  u = 4 (ce, kl) or 6.5 (alpha losses);
-                                                               2 Vd H: that chunk's lm_head gradient
-      peak <= kept + max(teacher's transient, one loss chunk).
-    Kimi-K2.5 (V = Vd = 163,840, H = 7168) at N = 8192: c = ct = 819, 2.5 GiB kept; bound 6.7 GiB
-    for ce and 7.9 GiB for lk_hybrid (measured 5.1 and 5.9; the previous fp32 teacher: 15.1 GiB)."""
+      the head and loss     4 u c Vd + 2 N H + (2 + 4 s) Vd H  u = 4 (ce, kl) or 6.5 (alpha losses): one chunk's
+                            + 32 N + 2 c H                     (per-row values: loss, argmax, alpha, ...; a chunk's
+                                                               rows scaled by their coefficients);
+                                                               fp32 logits and their transients; 2 N H: the rows'
+                                                               gradient, 2 Vd H the head's, both kept from the
+                                                               forward to backward; s = 1 when the head's gradient
+                                                               is summed in fp32 (<= HEAD_GRAD_FP32_BYTES, N > c)
+      peak <= kept + max(teacher's transient, the head and loss).
+    Kimi-K2.5 (V = Vd = 163,840, H = 7168) at N = 8192: c = ct = 819, 2.5 GiB kept."""
     full = V == Vd
     kept = N * (2 * Vd + 8 + 4 * mass) + (4 * N * Vd if 4 * N * Vd <= PROBS_CACHE_BYTES else 0)
     teacher = 0 if full else ct * (V * (4 + 2 * mass) + 4 * Vd * mass)
-    loss = int(4 * (6.5 if alpha_loss else 4) * c * Vd) + 2 * Vd * H
+    fp32_sum = N > c and 4 * Vd * H <= HEAD_GRAD_FP32_BYTES
+    loss = int(4 * (6.5 if alpha_loss else 4) * c * Vd) + 2 * N * H + (2 + 4 * fp32_sum) * Vd * H + 32 * N + 2 * c * H
     return kept + max(teacher, loss)
 
 
@@ -191,110 +202,206 @@ def normalize_loss(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the chunk loss: value and hand-written gradient
+# per-row values and gradients with respect to the logits
 
 
-class _ChunkLoss(torch.autograd.Function):
-    """sum_i w_i * sum_k c_k * loss_k(p_i, softmax(z_i)), its gradient written out (see the module
-    docstring).  Autograd's log_softmax -> mul -> sum would keep and re-read four [c, Vd] tensors
-    per TTT step; this keeps the fp32 logits only and recomputes the rest in backward.  The teacher
-    is saved by reference (no per-step copy of its rows).  Also returns the draft's argmax and,
-    when asked, alpha and the target's probability of the draft's argmax per row (both detached)."""
+def _softmax_parts(z: torch.Tensor, ph: torch.Tensor | None):
+    """z [c, Vd] (any float dtype) -> (q = softmax(z) in >= fp32, log-sum-exp, the argmax, <z, ph> - lse or
+    None): one max pass over z as it came from the matmul (bf16 logits are read once, never copied
+    to fp32 whole), the rest in place on one >= fp32 [c, Vd] buffer."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    m, arg = z.max(dim=-1)
+    e = z - m.to(acc)[:, None]  # z - max, exactly, in acc (a mixed-dtype subtraction promotes)
+    dot = None if ph is None else torch.linalg.vecdot(e, ph)  # <z, ph> - max (ph sums to 1)
+    s = e.exp_().sum(-1)
+    logs = s.log()
+    return e.mul_(s.reciprocal_()[:, None]), m.to(acc) + logs, arg, None if dot is None else dot - logs
 
-    @staticmethod
-    def forward(ctx, logits, t_logits, log_mass, rows, w, spec: LossSpec, softcap, want_alpha: bool, probs_cache):
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        teacher = TeacherRows(t_logits, None, log_mass, softcap, probs_cache)
-        lse = torch.logsumexp(z, dim=-1)
-        ph = teacher.probs(rows).to(z.dtype)
-        need_alpha = spec.needs_alpha or want_alpha
-        per = {}
-        if spec.weight("ce") or spec.weight("kl") or spec.weight("lk_hybrid"):
-            per["ce"] = lse - torch.linalg.vecdot(z, ph)
-        if spec.weight("kl") or spec.weight("lk_hybrid"):
-            t = soft_cap(t_logits.index_select(0, rows).to(z.dtype), softcap)
-            ent = torch.logsumexp(t, dim=-1) - torch.linalg.vecdot(t, ph)  # H(p^)
-            per["kl"] = per["ce"] - ent
-        alpha = pt_arg = None
-        arg = z.max(dim=-1).indices
-        if need_alpha:
-            S = teacher.mass(rows).to(z.dtype)
-            q = z.sub(lse[:, None]).exp_()
-            alpha = torch.minimum(ph * S[:, None], q).sum(-1)
-            pt_arg = ph.gather(1, arg[:, None])[:, 0] * S  # accepted with this probability when the draft proposes its argmax
-            del q
-        loss = None
-        for name, c in spec.terms:
-            if name == "ce":
-                v = per["ce"]
-            elif name == "kl":
-                v = per["kl"]
-            elif name == "tv":
-                v = 1.0 - alpha
-            elif name == "nla":
-                v = -alpha.clamp_min(ALPHA_FLOOR).log()
-            else:  # lk_hybrid
-                lam = torch.exp(-spec.eta * alpha)
-                v = lam * per["kl"] + (1.0 - lam) * (1.0 - alpha)
-            v = v if c == 1.0 else c * v
-            loss = v if loss is None else loss + v
-        none = z.new_empty(0)
-        ctx.save_for_backward(z, t_logits, none if log_mass is None else log_mass, rows, w, lse, none if probs_cache is None else probs_cache)
-        ctx.spec, ctx.softcap, ctx.in_dtype = spec, softcap, logits.dtype
-        if alpha is None:
-            alpha, pt_arg = z.new_empty(0), z.new_empty(0)
-        ctx.mark_non_differentiable(arg, alpha, pt_arg)
-        return (loss * w.to(loss.dtype)).sum(), arg, alpha, pt_arg
 
-    @staticmethod
-    def backward(ctx, g, _g_arg, _g_alpha, _g_pt):
-        z, t_logits, log_mass, rows, w, lse, probs_cache = ctx.saved_tensors
-        spec = ctx.spec
-        teacher = TeacherRows(t_logits, None, log_mass if log_mass.numel() else None, ctx.softcap,
-                              probs_cache if probs_cache.numel() else None)
-        ph = teacher.probs(rows).to(z.dtype)
-        z = z.clone() if z.dtype == ctx.in_dtype else z  # z aliases the logits: do not overwrite them
-        q = z.sub_(lse[:, None]).exp_()
-        wg = w.to(z.dtype) * g
-        if spec.terms == (("ce", 1.0),):  # the former SoftCrossEntropy's exact operations
-            return q.sub_(ph).mul_(wg[:, None]).to(ctx.in_dtype), *[None] * 8
-        # grad = c_kl (q - p^) + c_alpha dalpha/dz, dalpha/dz = q (m - A), m = [q < p], A = <m, q>, i.e.
-        # q * (c_kl - c_alpha A + c_alpha m) - c_kl p^, with w g folded into the per-row coefficients
-        c_kl = (spec.weight("ce") + spec.weight("kl")) * wg  # per row
-        if not spec.needs_alpha:
-            return q.sub_(ph).mul_(c_kl[:, None]).to(ctx.in_dtype), *[None] * 8
-        p = ph * teacher.mass(rows).to(z.dtype)[:, None]
+def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: LossSpec, grad_dtype: torch.dtype | None,
+              want_alpha: bool):
+    """Soft-label losses of draft logits z [c, Vd] against teacher rows `rows` [c] -> (loss [c] (the mix,
+    per row, >= fp32), dz [c, Vd] = d loss_i / dz_i in `grad_dtype` (None: not computed), the draft's
+    argmax [c], alpha [c] or None, p(draft argmax) [c] or None).  The gradient is written out (module
+    docstring): autograd would keep four [c, Vd] tensors per row chunk."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    ph = teacher.probs(rows).to(acc)
+    need_alpha = spec.needs_alpha or want_alpha
+    need_ce = bool(spec.weight("ce") or spec.weight("kl") or spec.weight("lk_hybrid"))
+    q, _, arg, dot = _softmax_parts(z, ph if need_ce else None)
+    per = {}
+    if need_ce:
+        per["ce"] = -dot  # lse - <z, p^>
+    if spec.weight("kl") or spec.weight("lk_hybrid"):
+        t = soft_cap(teacher.logits.index_select(0, rows).to(acc), teacher.softcap)
+        per["kl"] = per["ce"] - (torch.logsumexp(t, dim=-1) - torch.linalg.vecdot(t, ph))  # - H(p^)
+        del t
+    alpha = pt_arg = m = None
+    if need_alpha:
+        S = teacher.mass(rows).to(acc)
+        p = ph * S[:, None]
         alpha = torch.minimum(p, q).sum(-1)
-        m = q < p
+        pt_arg = ph.gather(1, arg[:, None])[:, 0] * S  # accepted with this probability when the draft proposes its argmax
+        if grad_dtype is not None and spec.needs_alpha:
+            m = q < p  # where the draft is the smaller one (d alpha / dz)
         del p
-        mf = m.to(q.dtype)
-        A = torch.linalg.vecdot(q, mf)
-        c_alpha = torch.zeros_like(alpha)
-        if spec.weight("tv"):
-            c_alpha -= spec.weight("tv")
-        if spec.weight("nla"):
-            c_alpha -= spec.weight("nla") / alpha.clamp_min(ALPHA_FLOOR)
-        if spec.weight("lk_hybrid"):
-            lam = torch.exp(-spec.eta * alpha)  # sg(alpha): lambda is a constant of the gradient
-            c_alpha -= spec.weight("lk_hybrid") * (1.0 - lam)
-            c_kl = c_kl + spec.weight("lk_hybrid") * lam * wg
-        c_alpha *= wg
-        a = c_kl - c_alpha * A
-        grad = mf.mul_(c_alpha[:, None]).add_(a[:, None]).mul_(q)
-        if spec.weight("ce") or spec.weight("kl") or spec.weight("lk_hybrid"):
-            grad.addcmul_(ph, c_kl[:, None], value=-1.0)
-        return grad.to(ctx.in_dtype), *[None] * 8
+    loss = None
+    for name, c in spec.terms:
+        if name in ("ce", "kl"):
+            v = per[name]
+        elif name == "tv":
+            v = 1.0 - alpha
+        elif name == "nla":
+            v = -alpha.clamp_min(ALPHA_FLOOR).log()
+        else:  # lk_hybrid
+            lam = torch.exp(-spec.eta * alpha)
+            v = lam * per["kl"] + (1.0 - lam) * (1.0 - alpha)
+        v = v if c == 1.0 else c * v
+        loss = v if loss is None else loss + v
+    if grad_dtype is None:
+        return loss, None, arg, alpha, pt_arg
+    c_kl = spec.weight("ce") + spec.weight("kl")
+    if not spec.needs_alpha:  # ce, kl and their mixes: c_kl (q - p^), written straight in the gradient's dtype
+        dz = torch.sub(q, ph, out=torch.empty(q.shape, dtype=grad_dtype, device=q.device))
+        return loss, dz if c_kl == 1.0 else dz.mul_(c_kl), arg, alpha, pt_arg
+    # grad = c_kl (q - p^) + c_alpha dalpha/dz, dalpha/dz = q (m - A), m = [q < p], A = <m, q>, i.e.
+    # q * (c_kl - c_alpha A + c_alpha m) - c_kl p^, with per-row c_kl and c_alpha
+    c_kl = torch.full_like(alpha, c_kl)
+    mf = m.to(q.dtype)
+    del m
+    A = torch.linalg.vecdot(q, mf)
+    c_alpha = torch.zeros_like(alpha)
+    if spec.weight("tv"):
+        c_alpha -= spec.weight("tv")
+    if spec.weight("nla"):
+        c_alpha -= spec.weight("nla") / alpha.clamp_min(ALPHA_FLOOR)
+    if spec.weight("lk_hybrid"):
+        lam = torch.exp(-spec.eta * alpha)  # sg(alpha): lambda is a constant of the gradient
+        c_alpha -= spec.weight("lk_hybrid") * (1.0 - lam)
+        c_kl = c_kl + spec.weight("lk_hybrid") * lam
+    grad = mf.mul_(c_alpha[:, None]).add_((c_kl - c_alpha * A)[:, None]).mul_(q)
+    if need_ce:
+        grad.addcmul_(ph, c_kl[:, None], value=-1.0)
+    return loss, grad.to(grad_dtype), arg, alpha, pt_arg
 
 
-def chunk_loss(logits: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, w: torch.Tensor, spec: LossSpec,
-               want_alpha: bool = False):
-    """One chunk: draft logits [c, Vd] against teacher rows `rows` ([c] indices into `teacher`),
-    position weights w [c] -> (sum_i w_i loss_i (differentiable), draft argmax [c] (draft ids),
-    alpha [c] or empty, p(draft argmax) [c] or empty).  alpha (= sum_v min(p_v, q_v), the acceptance
-    probability of speculative sampling at temperature 1) and p(argmax) (the acceptance of a
-    greedily drafted token under temperature-1 verification, SGLang's and vLLM's default) are
-    computed when the loss needs them or `want_alpha` (the held-out evaluation)."""
-    lm = teacher.log_mass
-    if (spec.needs_alpha or want_alpha) and lm is None:
-        teacher.mass(rows)  # the clear error
-    return _ChunkLoss.apply(logits, teacher.logits, lm, rows, w, spec, teacher.softcap, want_alpha, teacher.probs_cache)
+def hard_rows(z: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype | None):
+    """Hard-label cross-entropy of logits z [c, Vd] against draft ids `labels` [c] -> (loss [c] >= fp32,
+    dz = softmax - onehot in `grad_dtype` or None, the draft's argmax [c])."""
+    q, lse, arg, _ = _softmax_parts(z, None)
+    loss = lse - z.gather(1, labels[:, None])[:, 0].to(lse.dtype)
+    if grad_dtype is None:
+        return loss, None, arg
+    q.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+    return loss, q.to(grad_dtype), arg
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused draft head + loss: the one home of a draft's output loss (EAGLE-3's TTT, DFlash's blocks)
+
+
+@dataclass
+class SoftTarget:
+    """The teacher's distribution at teacher rows `rows` [R] under the loss `spec`."""
+
+    teacher: TeacherRows
+    rows: torch.Tensor
+    spec: LossSpec = LossSpec()
+
+
+@dataclass
+class HardTarget:
+    """Hard labels: draft ids [R] (DFlash)."""
+
+    labels: torch.Tensor
+
+
+def _rows_chunk(target, s: int, e: int, z: torch.Tensor, grad_dtype, want_alpha: bool):
+    if isinstance(target, HardTarget):
+        loss, dz, arg = hard_rows(z, target.labels[s:e], grad_dtype)
+        return loss, dz, arg, None, None
+    return soft_rows(z, target.teacher, target.rows[s:e], target.spec, grad_dtype, want_alpha)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """sum_i coef_i loss_i(softmax(h_i W^T)), its gradients with respect to h and W computed in the
+    forward, one chunk of rows at a time: no [rows, Vd] logits tensor outlives its chunk, none is
+    kept for backward or recomputed there; backward scales the stored gradients by the upstream one."""
+
+    @staticmethod
+    def forward(ctx, h_in, weight, coef, target, want_alpha: bool, chunk: int, grads: tuple[bool, bool], cdt):
+        grad_h, grad_w = grads
+        need = grad_h or grad_w
+        dev = h_in.device.type
+        with torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else nullcontext():  # explicit `cdt`
+            return _HeadLoss._forward(ctx, h_in.to(cdt), weight, coef, target, want_alpha, chunk, grad_h, grad_w, need, h_in.dtype)
+
+    @staticmethod
+    def _forward(ctx, h, weight, coef, target, want_alpha, chunk, grad_h, grad_w, need, h_dtype):
+        w = weight.to(h.dtype)
+        acc = torch.promote_types(h.dtype, torch.float32)
+        R = h.shape[0]
+        loss = torch.empty(R, dtype=acc, device=h.device)
+        arg = torch.empty(R, dtype=torch.long, device=h.device)
+        alpha = pt_arg = None
+        gh = torch.empty_like(h) if grad_h else None
+        gw = None
+        if grad_w and R > chunk:  # the head's gradient summed over chunks: in fp32 while that is small
+            gw = torch.zeros_like(weight, dtype=acc if weight.numel() * 4 <= HEAD_GRAD_FP32_BYTES else weight.dtype)
+        for s in range(0, R, chunk):
+            e = min(R, s + chunk)
+            l, dz, a, al, pa = _rows_chunk(target, s, e, h[s:e] @ w.T, h.dtype if need else None, want_alpha)
+            loss[s:e], arg[s:e] = l, a
+            if al is not None:
+                if alpha is None:
+                    alpha, pt_arg = loss.new_empty(R), loss.new_empty(R)
+                alpha[s:e], pt_arg[s:e] = al, pa
+            if need:  # dz is per unit coefficient: the rows' coefficients scale [c, H] tensors, not [c, Vd]
+                cc = coef[s:e].to(h.dtype)[:, None]
+                if grad_h:
+                    torch.matmul(dz, w, out=gh[s:e]).mul_(cc)
+                if grad_w:
+                    hc = h[s:e] * cc
+                    if gw is None:
+                        gw = dz.T @ hc
+                    elif gw.dtype == h.dtype:
+                        gw.addmm_(dz.T, hc)
+                    else:
+                        gw.add_(dz.T @ hc)
+        if grad_w:  # kept until backward in the weight's own dtype
+            gw = torch.zeros_like(weight) if gw is None else gw.to(weight.dtype)
+        if grad_h:
+            gh = gh.to(h_dtype)
+        ctx.save_for_backward(*(x for x in (gh, gw) if x is not None))
+        ctx.has, ctx.done = (grad_h, grad_w), False
+        empty = loss.new_empty(0)
+        out = torch.linalg.vecdot(loss, coef.to(acc)) if R else loss.sum()
+        alpha, pt_arg = (empty, empty) if alpha is None else (alpha, pt_arg)
+        ctx.mark_non_differentiable(loss, arg, alpha, pt_arg)
+        return out, loss, arg, alpha, pt_arg
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        if ctx.done:
+            raise RuntimeError("the fused head + loss scales its stored gradients in place: it cannot run backward twice")
+        ctx.done = True
+        saved = iter(ctx.saved_tensors)
+        # in place (no second [Vd, H] copy); a 0-dim g keeps the gradients' dtype
+        gh = next(saved).mul_(g) if ctx.has[0] else None
+        gw = next(saved).mul_(g) if ctx.has[1] else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def head_loss(h: torch.Tensor, weight: torch.Tensor, target, coef: torch.Tensor, chunk: int, want_alpha: bool = False):
+    """The draft head and its loss in one pass: h [R, H] (the normed state, rows with a loss), the
+    head's weight [Vd, H], `target` (SoftTarget or HardTarget), per-row coefficients coef [R] (the
+    loss weight times the row's normalizer) -> (sum_i coef_i loss_i (differentiable in h and the
+    weight), loss [R], the draft's argmax [R], alpha [R] and p(draft argmax) [R] (empty unless the
+    loss needs them or `want_alpha`)).  `chunk`: rows of logits alive at once (`chunk_rows`).  The
+    logits are computed in h's dtype (bf16 when training in bf16), the loss in >= fp32."""
+    if isinstance(target, SoftTarget) and (target.spec.needs_alpha or want_alpha):
+        target.teacher.mass(target.rows[:0])  # the clear error when the log-mass was not computed
+    on, dev = torch.is_grad_enabled(), h.device.type
+    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    cdt = torch.get_autocast_dtype(dev) if autocast else h.dtype  # bf16 under autocast, as a Linear would
+    return _HeadLoss.apply(h, weight, coef, target, want_alpha, max(1, chunk), (on and h.requires_grad, on and weight.requires_grad), cdt)

@@ -25,13 +25,12 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from eaglenest import EaglenestError
 from eaglenest.draft.vocab import target_to_draft_index
 from eaglenest.train.data import Batch
-from eaglenest.train.losses import LossSpec, chunk_rows
+from eaglenest.train.compaction import plan_rows
+from eaglenest.train.losses import HardTarget, LossSpec, chunk_rows, head_loss
 from eaglenest.train.ttt import STAT_KEYS, TeacherRows, ttt_forward
 from eaglenest.train.ttt import denominators as ttt_denominators
 
@@ -42,13 +41,11 @@ class Eagle3Objective:
     ce, kl, tv, nla, lk_hybrid or a mix), each step weighted step_decay^j."""
 
     def __init__(self, teacher, ttt_steps: int, *, device: str, autocast: bool, attn, logits_chunk: int,
-                 recompute, argmax_room: int, loss: LossSpec = LossSpec(), step_decay: float = 0.8,
-                 checkpoint_logits: bool = False):
+                 recompute, argmax_room: int, loss: LossSpec = LossSpec(), step_decay: float = 0.8):
         self.teacher, self.positions = teacher, ttt_steps
         self.device, self.autocast, self.attn, self.logits_chunk, self.recompute = device, autocast, attn, logits_chunk, recompute
         self.loss, self.step_decay = loss, step_decay
         self.device_type = "cuda" if device.startswith("cuda") else "cpu"
-        self.checkpoint_logits = checkpoint_logits  # resolved by logits_checkpoint()
         # micro-batch -> the target's argmax (int32) and, when computed, log-mass (fp32) per position
         # (host RAM), reused by later epochs (and evaluations); at most `argmax_room` tokens
         self._argmax: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -61,14 +58,15 @@ class Eagle3Objective:
     def denominators(self, b: Batch, step: int | None = None) -> torch.Tensor:
         return ttt_denominators(b.loss_mask, self.positions)
 
-    def _teacher(self, last: torch.Tensor, key: tuple | None, mass: bool) -> TeacherRows:
-        """The teacher's rows for one micro-batch.  Micro-batches keep their samples every epoch: the
-        target's argmax (and log-mass, when a loss or the evaluation needs alpha) are computed once
-        per batch and cached, so later epochs skip the full-vocabulary head."""
+    def _teacher(self, last: torch.Tensor, rows: torch.Tensor, key: tuple | None, mass: bool) -> TeacherRows:
+        """The teacher's rows for one micro-batch: only the positions some TTT step reads (`rows`, the
+        plan's teacher_rows: those followed by an answer token).  Micro-batches keep their samples
+        every epoch: the target's argmax (and log-mass, when a loss or the evaluation needs alpha) are
+        computed once per batch and cached, so later epochs skip the full-vocabulary head."""
         known = self._argmax.get(key)
         arg, lm = (None, None) if known is None else known
-        t = self.teacher.targets(last.reshape(-1, last.shape[-1]), argmax=None if arg is None else arg.long(), mass=mass,
-                                 log_mass=lm)
+        t = self.teacher.targets(last.reshape(-1, last.shape[-1]).index_select(0, rows), argmax=None if arg is None else arg.long(),
+                                 mass=mass, log_mass=lm)
         new = known is None or (mass and lm is None)
         if new and key is not None and (known is not None or t.argmax.numel() <= self._argmax_room):
             if known is None:
@@ -80,7 +78,9 @@ class Eagle3Objective:
                 want_alpha: bool = False):
         dev = self.device
         nb = self.device_type == "cuda"  # pinned by the loader: the copies overlap
-        teacher = self._teacher(b.last.to(dev, non_blocking=nb), key, mass=want_alpha or self.loss.needs_alpha)
+        plan = (b.plan if b.plan is not None and len(b.plan.counts) == self.positions else plan_rows(b.loss_mask, self.positions))
+        plan = plan.to(dev, non_blocking=nb)
+        teacher = self._teacher(b.last.to(dev, non_blocking=nb), plan.teacher_rows, key, mass=want_alpha or self.loss.needs_alpha)
         B, T = b.input_ids.shape
         cuda = self.device_type == "cuda"
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -94,11 +94,11 @@ class Eagle3Objective:
                 denom.to(dev),
                 step_decay=self.step_decay,
                 chunk=chunk_rows(self.logits_chunk or (4096 if cuda else 1024), model.cfg.draft_vocab_size),
-                checkpoint_logits=self.checkpoint_logits,
                 attn_impl=self.attn,
                 recompute=self.recompute(B * T),
                 loss=self.loss,
                 want_alpha=want_alpha,
+                plan=plan,
             )
         return loss, stats, b.n_tokens
 
@@ -214,51 +214,30 @@ class DFlashObjective:
             bpos = anchors[..., None] + torch.arange(self.S, device=dev)
             h = model.blocks(model.block_input(ids.gather(1, anchors)), bpos, kv, anchors)[:, :, 1:]  # [B, N, S-1, H]
             rows = p["in_draft"].reshape(-1).nonzero(as_tuple=True)[0].to(dev)  # only slots with a loss
-            didx = target_to_draft_index(model.t2d)[p["labels"].to(dev).reshape(-1)[rows]]
-            hr = h.reshape(-1, h.shape[-1]).index_select(0, rows)
-            ce, arg = self._ce(model, hr, didx)
+            labels = p["labels"].to(dev).reshape(-1).index_select(0, rows)
+            target = HardTarget(target_to_draft_index(model.t2d)[labels])
+            hn = model.norm(h.reshape(-1, h.shape[-1]).index_select(0, rows))
+            chunk = chunk_rows(self.logits_chunk or (4096 if self.device_type == "cuda" else 1024), model.cfg.draft_vocab_size)
+            ind, valid = p["in_draft"].to(dev), p["valid"].to(dev)
+            if self.loss == "ce":
+                coef = (p["decay"].to(dev) * ind).reshape(-1).index_select(0, rows) / denom[0].to(dev).clamp_min(1.0)
+            else:  # D-PACE weighs a slot by the draft's own (detached) probabilities of the block's labels: one head pass without gradients first
+                with torch.no_grad():
+                    ce0 = head_loss(hn, model.lm_head.weight, target, hn.new_zeros(rows.numel(), dtype=torch.float32), chunk)[1]
+                q = torch.zeros(B * N * (self.S - 1), dtype=ce0.dtype, device=dev).index_put((rows,), (-ce0).exp())
+                coef = dpace_weights(q.view(B, N, -1), valid, self.alpha).reshape(-1).index_select(0, rows) / denom[1].to(dev).clamp_min(1.0)
+            loss, ce, arg, _, _ = head_loss(hn, model.lm_head.weight, target, coef, chunk)
         # per-slot bookkeeping on [B, N, S-1] grids
-        ce_grid = torch.zeros(B * N * (self.S - 1), dtype=ce.dtype, device=dev).index_put((rows,), ce.detach()).view(B, N, -1)
+        ce_grid = torch.zeros(B * N * (self.S - 1), dtype=ce.dtype, device=dev).index_put((rows,), ce).view(B, N, -1)
         hit = torch.zeros(B * N * (self.S - 1), dtype=torch.bool, device=dev)
-        hit[rows] = model.to_target_ids(arg) == p["labels"].to(dev).reshape(-1)[rows]
+        hit[rows] = model.to_target_ids(arg) == labels
         hit = hit.view(B, N, -1)
-        valid, ind = p["valid"].to(dev), p["in_draft"].to(dev)
-        if self.loss == "ce":
-            w = (p["decay"].to(dev, ce.dtype) * ind).reshape(-1)[rows]
-            loss = (ce * w).sum() / denom[0].to(dev).clamp_min(1.0)
-        else:
-            q = torch.zeros(B * N * (self.S - 1), dtype=ce.dtype, device=dev).index_put((rows,), (-ce.detach()).exp())
-            w = dpace_weights(q.view(B, N, -1), valid, self.alpha).reshape(-1)[rows]
-            loss = (ce * w).sum() / denom[1].to(dev).clamp_min(1.0)
         prefix_ok = hit.long().cumprod(-1).bool()  # slots 1..k all accepted
         reached = valid & torch.cat([p["keep"].to(dev)[..., None], prefix_ok[..., :-1]], -1)
         cols = lambda x: x.double().sum((0, 1)).tolist()  # noqa: E731 -- per-slot sums, one sync each
         stats = {"loss_sum": cols(ce_grid * ind), "correct": cols(prefix_ok & reached), "count": cols(reached),
                  "loss_count": cols(ind)}
         return loss, stats, b.n_tokens
-
-    def _ce(self, model, hr: torch.Tensor, didx: torch.Tensor):
-        """Hard-label cross-entropy and the draft's argmax per row; logits of at most `chunk` rows
-        exist at once under checkpointing on CUDA (no [rows, Vd] tensor kept for backward)."""
-        chunk = self.logits_chunk or (4096 if self.device_type == "cuda" else 1 << 30)
-        ces, args = [], []
-        for s in range(0, hr.shape[0], chunk):
-            fn = lambda x, y: _ce_rows(model, x, y)  # noqa: E731
-            if self.device_type == "cuda" and torch.is_grad_enabled():
-                c, a = checkpoint(fn, hr[s : s + chunk], didx[s : s + chunk], use_reentrant=False)
-            else:
-                c, a = fn(hr[s : s + chunk], didx[s : s + chunk])
-            ces.append(c)
-            args.append(a)
-        if not ces:
-            return hr.new_zeros(0, dtype=torch.float32), didx.new_zeros(0)
-        return torch.cat(ces), torch.cat(args)
-
-
-def _ce_rows(model, h: torch.Tensor, didx: torch.Tensor):
-    z = model.logits(h)
-    z = z.to(torch.promote_types(z.dtype, torch.float32))
-    return F.cross_entropy(z, didx, reduction="none"), z.detach().max(-1).indices
 
 
 def dpace_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -270,12 +249,6 @@ def dpace_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.T
     return prefix.flip(-1).cumsum(-1).flip(-1).detach()
 
 
-def logits_checkpoint(choice: str, device: str) -> bool:
-    """--logits-checkpoint: recompute the draft logits in backward?  auto: on CUDA (GPU memory is the
-    limit; CPU RAM is not)."""
-    return device.startswith("cuda") if choice == "auto" else choice == "on"
-
-
 def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, recompute, argmax_room: int):
     """The objective of the draft's kind, from the run's TrainConfig and DraftConfig."""
     if dcfg.kind == "dflash":
@@ -283,6 +256,5 @@ def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, rec
                                decay=cfg.dflash_decay, loss=cfg.dflash_loss, dpace_alpha=cfg.dpace_alpha,
                                logits_chunk=cfg.logits_chunk)
     return Eagle3Objective(teacher, cfg.ttt_steps, device=device, autocast=autocast, attn=attn, logits_chunk=cfg.logits_chunk,
-                           recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay,
-                           checkpoint_logits=logits_checkpoint(cfg.logits_checkpoint, device))
+                           recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay)
 

@@ -15,11 +15,13 @@ Alignment (decided once, tested in tests/test_ttt.py against a slow reference):
   Per-step loss = sum(weight * loss) / denominators[j], loss = `--loss` (losses.py: ce, kl, tv,
   nla, lk_hybrid or a weighted mix); total = sum_j step_decay^j * loss_j (`--step-decay`, 0.8).
 
-The teacher's draft-vocabulary logits are computed once per batch (full-vocabulary logits only
-chunk by chunk, for the argmax and the log-sum-exp); each step reads them through row indices
-(no shifted [T, V] copies) and forms probabilities per loss chunk; draft logits are produced and
-consumed chunk by chunk under activation checkpointing, so no [T, V] logits tensor is kept for
-backward.
+Which rows each step computes is decided on the CPU from the loss mask (train/compaction.py): step
+0 runs every row (its keys are the context of every later step), step j > 0 only the rows with a
+loss at step j or later -- the same losses and gradients, without the prompt's rows.  The teacher's
+draft-vocabulary logits are computed once per batch, at the positions some step reads (full-
+vocabulary logits only chunk by chunk, for the argmax and the log-sum-exp); the rows with a loss of
+every step then go through the fused draft head + loss (losses.head_loss) at once: gradients in
+the forward, no [T, V] logits tensor kept or recomputed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.models.target import final_norm, soft_cap
-from eaglenest.train.losses import PROBS_CACHE_BYTES, LossSpec, TeacherRows, chunk_loss
+from eaglenest.train.compaction import RowPlan, plan_rows
+from eaglenest.train.losses import PROBS_CACHE_BYTES, LossSpec, SoftTarget, TeacherRows, head_loss
 
 
 TEACHER_CHUNK_ELEMS = 1 << 27  # rows x full vocabulary of the teacher's transient logits (bf16: 256 MiB, its fp32 copy 512 MiB)
@@ -131,109 +134,87 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def step_weights(loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt: int):
-    """Per-step (loss weight, accuracy weight) [B, T] for steps 0..ttt-1 (see module docstring)."""
-    out = []
-    for j in range(ttt):
-        m = shift_left(loss_mask, 2 + j).float()  # predicted token x_{t+2+j} is an assistant token
-        w = m * shift_left(in_draft, 1 + j).float()  # and the teacher's argmax is representable
-        out.append((w, m))
-    return out
-
-
 def denominators(loss_mask: torch.Tensor, ttt: int) -> torch.Tensor:
     """Tokens that count for each step's loss normalizer (known before any forward)."""
     return torch.stack([shift_left(loss_mask, 2 + j).float().sum() for j in range(ttt)])
-
-
-def _chunk_loss(draft: Eagle3Draft, h: torch.Tensor, rows: torch.Tensor, teacher: TeacherRows, trows: torch.Tensor, w: torch.Tensor,
-                loss: LossSpec, want_alpha: bool):
-    """The loss of the kept rows of one contiguous chunk of hidden states (losses.chunk_loss).  The
-    teacher rows are gathered inside, so neither a checkpoint nor autograd keeps a [chunk, V] copy of them."""
-    logits = draft.logits(h.index_select(0, rows))
-    return chunk_loss(logits, teacher, trows, w, loss, want_alpha)
 
 
 def ttt_forward(
     draft: Eagle3Draft,
     input_ids: torch.Tensor,  # [B, T] int64
     aux: torch.Tensor,  # [B, T, 3H]
-    teacher: TeacherRows,  # B*T rows (Teacher.targets of the batch's final states, flattened)
+    teacher: TeacherRows,  # the teacher's rows: all B*T positions (flattened), or the plan's `teacher_rows` only
     loss_mask: torch.Tensor,  # [B, T]
     ttt: int,
     denom: torch.Tensor,  # [ttt] normalizers (global over the optimizer step)
     step_decay: float = 0.8,
     chunk: int = 1024,
-    checkpoint_logits: bool = True,
     attn_impl="eager",
     recompute: bool = False,
     loss: LossSpec = LossSpec(),
     want_alpha: bool = False,
+    plan: RowPlan | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens; with
     `want_alpha` or a loss that computes it, also the sums of alpha and of p(draft argmax), see
-    losses.chunk_loss, over the counted tokens).
+    losses.soft_rows, over the counted tokens).
 
-    attn_impl: "eager" (reference, materializes [T, T] scores), "chunked", "flex" or "sdpa", or a kernel
+    plan: which rows each step computes (train/compaction.py; default: built here from the mask,
+    compacted); the loader builds it off the training thread.  Step 0 runs whole sequences, step
+    j > 0 only its plan's rows; the rows with a loss of every step then go through the draft head and
+    the loss at once (losses.head_loss: gradients computed in the forward, no logits kept).
+    attn_impl: "eager" (reference, materializes the scores), "chunked", "flex" or "sdpa", or a kernel
     object from eaglenest.draft.kernels.causal_kernel (the trainer keeps one: flex's compiled
     function and block masks live on it); recompute: run each draft step under activation
     checkpointing (keeps ~its inputs, K/V and output per step instead of every intermediate)."""
     B, T = input_ids.shape
     dev = input_ids.device
     kernel = causal_kernel(attn_impl) if isinstance(attn_impl, str) else attn_impl
-    pos = torch.arange(T, device=dev).expand(B, T)
-    B_T = B * T
-    if teacher.view_rows() != B_T:
-        raise ValueError(f"teacher has {teacher.view_rows()} rows for a [{B}, {T}] batch")
-    teacher_argmax = teacher.argmax.view(B, T)
-    in_draft = draft.t2d[teacher_argmax]
-    alpha_stats = want_alpha or loss.needs_alpha
-    weights = step_weights(loss_mask, in_draft, ttt)
-    hidden = draft.fuse(aux)
-    past_diag: list[tuple[torch.Tensor, torch.Tensor]] = []
-    ctx_kv = None
+    plan = (plan or plan_rows(loss_mask, ttt)).to(dev, non_blocking=True)
+    if teacher.view_rows() == B * T:
+        trows = plan.loss_teacher  # the teacher holds every position
+    elif teacher.view_rows() == plan.teacher_rows.numel():
+        trows = plan.teacher_index.index_select(0, plan.loss_teacher)
+    else:
+        raise ValueError(f"teacher has {teacher.view_rows()} rows for a [{B}, {T}] batch "
+                         f"(expected {B * T} or the plan's {plan.teacher_rows.numel()})")
     grad = torch.is_grad_enabled()
-    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    targ = teacher.argmax  # the teacher is read through row indices: never shifted or copied per step
-    per_step = []  # (loss_sum, correct, count, loss_count[, alpha_sum, p_argmax_sum]) as tensors: one host sync at the end
-    for j in range(ttt):
-        tok = shift_left(input_ids, 1 + j)
-        # step 0: its own keys causally; step j: step 0's keys causally + key t of steps 1..j
-        kw = dict(ctx_kv=ctx_kv, diag_kv=list(past_diag), kernel=kernel)
+
+    def run(*args, **kw):
         if recompute and grad:
-            h, kv = checkpoint(draft.ttt_step, tok, hidden, pos + j, use_reentrant=False, **kw)
-        else:
-            h, kv = draft.ttt_step(tok, hidden, pos + j, **kw)
-        if j == 0:
-            ctx_kv = kv
-        else:
-            past_diag.append(kv)
-        w, m = weights[j]
-        wf, mf = w.reshape(-1), m.reshape(-1)
-        loss_sum = h.new_zeros((), dtype=total.dtype)
-        correct = h.new_zeros((), dtype=torch.float32)
-        acc_t1 = h.new_zeros(2, dtype=torch.float64)  # sums of alpha and of p(draft argmax)
-        keep = (mf > 0).nonzero(as_tuple=True)[0]  # only positions that count: saves lm_head work
-        bounds = torch.searchsorted(keep.cpu(), torch.arange(0, B * T + chunk, chunk)).tolist()
-        for c, hc in enumerate(h.reshape(B * T, -1).split(chunk)):  # views; one cat in backward
-            a, b = bounds[c], bounds[c + 1]
-            if a == b:
-                continue
-            rows = keep[a:b]
-            trows = rows + 1 + j  # teacher P_{t+1+j} (in range: the mask is 0 where t+2+j >= T)
-            args = (hc, rows - c * chunk, teacher, trows, wf[rows], loss, want_alpha)
-            if checkpoint_logits and grad:
-                ls, am, al, pa = checkpoint(_chunk_loss, draft, *args, use_reentrant=False)
-            else:
-                ls, am, al, pa = _chunk_loss(draft, *args)
-            loss_sum = loss_sum + ls
-            correct = correct + ((draft.to_target_ids(am) == targ[trows]).float() * mf[rows]).sum()
-            if alpha_stats:
-                acc_t1 += torch.stack([al, pa]).double() @ mf[rows].double()
-        total = total + (step_decay**j) * loss_sum / denom[j].clamp_min(1.0)
-        per_step.append(torch.cat([torch.stack([loss_sum.detach(), correct, m.sum(), w.sum()]).double(), acc_t1]))
-        hidden = draft.feedback(h)
-    vals = torch.stack(per_step).tolist()
-    keys = STAT_KEYS + (ALPHA_KEYS if alpha_stats else ())
-    stats = {k: [v[i] for v in vals] for i, k in enumerate(keys)}
+            return checkpoint(draft.ttt_step, *args, use_reentrant=False, **kw)
+        return draft.ttt_step(*args, **kw)
+
+    # step 0: whole sequences, causally; its keys are every later step's context
+    h, ctx_kv = run(shift_left(input_ids, 1), draft.fuse(aux), torch.arange(T, device=dev).expand(B, T), kernel=kernel)
+    h = h.reshape(1, B * T, -1)
+    outs = [h[0].index_select(0, plan.loss0)]
+    ids = torch.nn.functional.pad(input_ids.reshape(-1), (0, 1))  # flat, and a padding token at B*T
+    diag = []
+    for j, rows in enumerate(plan.steps, start=1):
+        # step j: its rows read token x_{t+1+j} at position t+j and the state fed back from row t of step j-1
+        fed = draft.feedback(h.index_select(1, rows.prev))
+        h, kv = run(ids.index_select(0, rows.tok)[None], fed, (rows.idx % T + j)[None], ctx_kv=ctx_kv,
+                    diag_kv=list(diag), kernel=kernel, rows=rows)
+        diag.append(kv)
+        outs.append(h[0].index_select(0, rows.loss))
+
+    # the head and the loss of every step's rows with a loss, in one pass
+    hs = torch.cat(outs)
+    acc = torch.promote_types(hs.dtype, torch.float32)
+    targ = teacher.argmax.index_select(0, trows)
+    w = draft.t2d[targ].to(acc)  # no loss where the teacher's argmax is outside the draft vocabulary
+    step_w = torch.tensor([step_decay**j for j in range(ttt)], dtype=acc, device=dev) / denom.to(dev, acc).clamp_min(1.0)
+    total, per_row, arg, alpha, p_arg = head_loss(draft.norm(hs), draft.lm_head.weight, SoftTarget(teacher, trows, loss),
+                                                  w * step_w.index_select(0, plan.step_of_loss), chunk, want_alpha)
+    cols = [per_row * w, (draft.to_target_ids(arg) == targ).to(per_row.dtype), w]
+    alpha_stats = want_alpha or loss.needs_alpha
+    if alpha_stats:
+        cols += [alpha, p_arg]
+    sums = torch.zeros(ttt, len(cols), dtype=torch.float64, device=dev).index_add_(0, plan.step_of_loss, torch.stack(cols, 1).double())
+    vals = sums.tolist()  # the step's one host sync
+    stats = {"loss_sum": [v[0] for v in vals], "correct": [v[1] for v in vals], "count": [float(c) for c in plan.counts],
+             "loss_count": [v[2] for v in vals]}
+    if alpha_stats:
+        stats.update(alpha_sum=[v[3] for v in vals], p_argmax_sum=[v[4] for v in vals])
     return total, stats
