@@ -59,6 +59,7 @@ from eaglenest.train.setup import (
     vocab_counts,
 )
 from eaglenest.train.objective import make_objective
+from eaglenest.train.precision import MasterWeights
 from eaglenest.train.ttt import ALPHA_KEYS, STAT_KEYS, denominators
 from eaglenest.utils import atomic_write_json, progress, read_json, release_free_heap
 
@@ -200,7 +201,10 @@ class Trainer:
         self.n_train_tokens = sum(store.lengths()[i] for i in train_idx)
 
         # optimizer and schedule
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # bf16 training: bf16 parameters, fp32 masters that the optimizer updates and checkpoints hold (precision.py)
+        self.masters = MasterWeights(self.model) if self.autocast else None
+        self.weights = self.masters or self.model  # what checkpoints read and write
+        self.params = self.masters.params if self.masters else [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.sched = build_scheduler(self.opt, self.warmup, self.total_steps, cfg.min_lr_ratio)
         self.step = 0
@@ -218,7 +222,7 @@ class Trainer:
         self.serve_steps = self.P if dcfg.kind == "dflash" else cfg.predicted_steps()
 
         if resuming:
-            self.step = self.saved_step = self.ckpt.load(self.model, self.opt, self.sched)
+            self.step = self.saved_step = self.ckpt.load(self.weights, self.opt, self.sched)
         elif self.rank == 0:
             from safetensors.torch import save_file
 
@@ -328,7 +332,7 @@ class Trainer:
         (a stop right after a periodic save or a resume) is not written again."""
         if self.saved_step == self.step:
             return self.ckpt.latest() if self.rank == 0 else None
-        d = self.ckpt.save(self.step, self.total_steps, self.model, self.opt, self.sched)
+        d = self.ckpt.save(self.step, self.total_steps, self.weights, self.opt, self.sched)
         self.saved_step = self.step
         self.saves.reset()
         return d
@@ -563,6 +567,8 @@ class Trainer:
             return loss_val, n_tok, agg, 0.0
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         self.opt.step()
+        if self.masters:
+            self.masters.sync()
         self.sched.step()
         return loss_val, n_tok, agg, gnorm
 
