@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 import torch
@@ -186,11 +185,10 @@ def test_timeout_is_a_failure_with_reason(tiny_llama_dir, standin, tmp_path):
     s = standin()
     s.delay_next = [2.0]
     with engine(tiny_llama_dir, s.url, tmp_path / "staging", timeout=0.5, retries=0) as e:
-        t0 = time.time()  # the request alone: building the engine reads the target's files (slow on a loaded machine)
         res = e.capture(REQS[:1])
+    # a client that waited for the late answer would have it (a Captured): the failure is the timeout's
     assert isinstance(res[0], Failure) and res[0].reason == "timeout"
     assert "timed out" in res[0].message and "after 1 attempts" in res[0].message
-    assert time.time() - t0 < 2.0
     s.delay_next = [2.0]
     with engine(tiny_llama_dir, s.url, tmp_path / "staging", timeout=0.5, retries=1) as e:  # retry wins
         assert isinstance(e.capture(REQS[:1])[0], Captured)
