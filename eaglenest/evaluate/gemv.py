@@ -20,8 +20,8 @@ loaded from it runs as this user), each binary is named by its own sha256, and t
 build (source, flags and compiler -> binary and sha256) is checked against the file before ctypes
 loads it; a binary that does not match is not loaded, but rebuilt.  Renames are atomic, so
 parallel eval workers may race.  The call releases the GIL.  OpenMP threads come from torch's own
-libgomp (already loaded, same soname): one thread pool.  Where it cannot be used (neither ISA, no compiler, not x86-64
-Linux) `load()` says why and the caller keeps `F.linear`.
+libgomp (already loaded, same soname): one thread pool.  Where it cannot be used (neither ISA, no
+compiler, not x86-64 Linux) `load()` says why and the caller keeps `F.linear`.
 """
 
 from __future__ import annotations
@@ -226,7 +226,10 @@ def _compiler() -> tuple[list[str], bool]:
     """(the C compiler's argv, whether `$CC` named it); ([], False) where there is none."""
     env = os.environ.get("CC", "").strip()
     if env:
-        argv = shlex.split(env)
+        try:
+            argv = shlex.split(env)
+        except ValueError as e:
+            raise EaglenestError(f"$CC={env!r}: not a command line ({e})") from None
         if not shutil.which(argv[0]):
             raise EaglenestError(f"$CC={env!r}: {argv[0]!r} is not an executable on PATH (the gemv kernel is built with $CC)")
         return argv, True
@@ -249,7 +252,7 @@ def _run(argv: list[str]) -> str:
     return out
 
 
-def private_dir(d: Path) -> Path:
+def _private_dir(d: Path) -> Path:
     """`d` created 0700; refused when another user owns it or others may write to it (a library
     there could be anyone's); tightened to 0700 where others may only read it (caches before this)."""
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -313,7 +316,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     try:
         version = _run([*cc, "--version"]).splitlines()[:1]
         key = hashlib.sha256("\n".join([SOURCE, *flags, shlex.join(cc), *version]).encode()).hexdigest()[:16]
-        record = private_dir(cache_root() / "kernels") / f"gemv-{kind}-{key}.json"
+        record = _private_dir(cache_root() / "kernels") / f"gemv-{kind}-{key}.json"
         path = _verified(record)
         if path is None:
             _build(cc, flags, record)
