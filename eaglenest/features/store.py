@@ -134,8 +134,8 @@ class StoreMeta:
     # store.json only when finer than a layer: a store without it has one scale per (token, layer),
     # as every fp8 store had before the field existed (so their store.json and fingerprints stay)
     fp8_block: int | None = None
-    # the target's compute dtype (bf16 | fp32 | fp16); None: not recorded (module doc, "Compute dtype").
-    # Left out of store.json when None, so stores written before the field keep their run fingerprints
+    # the target's compute dtype (bf16 | fp32 | fp16); None: not recorded (module doc, "Compute dtype"),
+    # and then left out of store.json, as stores written before the field have it
     compute_dtype: str | None = None
 
     def __post_init__(self):
@@ -303,8 +303,8 @@ class FeatureWriter:
                 raise EaglenestError(f"{self.root} holds features from a different setup ({details}); use another --out")
             if unrecorded and meta.compute_dtype is not None:
                 print(f"warning: {existing} does not record the dtype its states were computed in (written before "
-                      f"eaglenest recorded it): this run computes in {meta.compute_dtype}, and a mix cannot be ruled out",
-                      file=sys.stderr)
+                      f"eaglenest recorded it, or from a server given by URL): this run computes in {meta.compute_dtype}, "
+                      "and a mix cannot be ruled out", file=sys.stderr)
         else:
             atomic_write_json(existing, meta.to_dict())
         self.manifest_path = self.root / "manifest.jsonl"
