@@ -2,9 +2,11 @@
 its pure-Python rules executed), SpecForge's and speculators' draft classes (run in a subprocess to
 write drafts in their own formats).
 
-Wheels are fetched with `pip download --no-deps` (PyPI is reachable on the project's machines and
-in CI) into the eaglenest cache and unpacked once; a test skips, saying why, when PyPI cannot be
-reached.  `EAGLENEST_SGLANG_SRC` (an unpacked sglang-0.5.23 wheel) is used instead when set.
+SGLang's source comes, in this order, from `EAGLENEST_SGLANG_SRC` (an unpacked sglang-0.5.23
+wheel), the SGLang environment `make test` sets up (.venv-sglang, scripts/setup_sglang.sh; or
+EAGLENEST_SGLANG_PYTHON's), or its wheel; wheels are fetched with `pip download --no-deps` into the
+eaglenest cache and unpacked once.  What none of these provides FAILS the test, saying how to
+provide it: a check against another project's code that cannot run is not a pass.
 """
 
 from __future__ import annotations
@@ -34,22 +36,39 @@ def _cache() -> Path:
     return cache_root() / "foreign"
 
 
-def _pip(*args: str) -> None:
+def _pip(*args: str, hint: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"pip {' '.join(args[:3])} ... failed (PyPI unreachable?): {r.stderr.strip()[-300:]}")
+        pytest.fail(f"pip {' '.join(args[:3])} ... failed (PyPI unreachable?): {r.stderr.strip()[-300:]}; {hint}", pytrace=False)
+
+
+def _installed_source(python: Path, name: str, version: str) -> Path | None:
+    """The directory holding package `name` in `python`'s environment, if version `version` is installed there."""
+    code = ("import importlib.metadata as md, importlib.util as u, sys; n, v = sys.argv[1:]; s = u.find_spec(n)\n"
+            "if s and md.version(n) == v: print(s.submodule_search_locations[0])")
+    r = subprocess.run([str(python), "-c", code, name, version], capture_output=True, text=True)
+    return Path(r.stdout.strip()).parent if r.returncode == 0 and r.stdout.strip() else None
 
 
 def unpacked_wheel(name: str, version: str) -> Path:
     """Directory holding the wheel's packages (e.g. `<dir>/sglang/srt/...`)."""
-    if name == "sglang" and os.environ.get("EAGLENEST_SGLANG_SRC"):
-        return Path(os.environ["EAGLENEST_SGLANG_SRC"])
+    hint = f"these tests read {name}=={version}'s released source"
+    if name == "sglang":
+        from sglang_live import sglang_python
+
+        if os.environ.get("EAGLENEST_SGLANG_SRC"):
+            return Path(os.environ["EAGLENEST_SGLANG_SRC"])
+        if (py := sglang_python()) and (site := _installed_source(py, name, version)):
+            return site
+        hint += (": `make test` installs it into .venv-sglang (bash scripts/setup_sglang.sh)"
+                 + (f", but {py} has no sglang=={version}" if py else ", which is missing")
+                 + ", or set EAGLENEST_SGLANG_SRC to an unpacked wheel")
     out = _cache() / f"{name}-{version}"
     if (out / ".complete").exists():
         return out
     dl = _cache() / "downloads"
     dl.mkdir(parents=True, exist_ok=True)
-    _pip("download", "--no-deps", "-d", str(dl), f"{name}=={version}")
+    _pip("download", "--no-deps", "-d", str(dl), f"{name}=={version}", hint=hint)
     whl = next(p for p in dl.glob("*.whl") if p.name.lower().startswith(f"{name.replace('-', '_')}-{version}"))
     with zipfile.ZipFile(whl) as z:
         z.extractall(out)
@@ -62,7 +81,8 @@ def site_with(name: str, version: str, extra: list[str] = ()) -> Path:
     out = _cache() / f"site-{name}-{version}"
     if (out / ".complete").exists():
         return out
-    _pip("install", "--no-deps", "--target", str(out), f"{name}=={version}", *extra)
+    _pip("install", "--no-deps", "--target", str(out), f"{name}=={version}", *extra,
+         hint=f"these tests run {name}=={version}'s released code, installed from PyPI into {out}")
     (out / ".complete").touch()
     return out
 

@@ -117,3 +117,30 @@ def test_block_sampling_is_lossless():
     joint = p1[:, None] * p2
     assert 0.5 * float((counts / n - joint).abs().sum()) < 0.02
     assert counts[3, 0] == 0 and counts[3, 2] == 0  # never a pair the target rules out
+
+
+def test_eval_runs_a_dflash_draft_with_its_block_and_refuses_other_steps(tiny_llama_dir, tiny, tmp_path, capsys):
+    """A DFlash draft drafts block_size - 1 tokens per round: eval takes that when --steps is left
+    out, and refuses an explicit --steps it cannot run with -- the EAGLE default 3 included -- rather
+    than overriding it."""
+    import argparse
+    import json
+
+    from eaglenest.cli import main
+    from eaglenest.evaluate.run import resolve_draft_steps
+    from eaglenest.export.format import save_draft
+
+    draft = save_draft(random_dflash(tiny, 8), tmp_path / "draft")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "prompt": "Name a colour."}) + "\n")
+    argv = ["eval", "--model", str(tiny_llama_dir), "--draft", str(draft), "--bench", str(bench), "--limit", "1",
+            "--max-new-tokens", "4", "--no-baseline", "--device", "cpu", "--dtype", "fp32"]
+    assert main([*argv, "--out", str(tmp_path / "three.json"), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 3 cannot be run" in err and str(draft) in err and not (tmp_path / "three.json").exists()
+    assert main([*argv, "--out", str(tmp_path / "default.json")]) == 0
+    r = json.loads((tmp_path / "default.json").read_text())
+    assert r["steps"] == 7 and r["num_draft_tokens"] == 8 and len(r["accept_per_position"]) == 7
+    a = argparse.Namespace(draft=str(draft), steps=7, topk=1, num_draft_tokens=None)
+    resolve_draft_steps(a)  # the block's own number, given explicitly
+    assert a.steps == 7

@@ -483,3 +483,35 @@ def test_capture_fp32_on_a_wide_target_stores_fp32(tiny_llama_dir, smol_data, tm
                      "--device", "cpu", "--dtype", dtype]) == 0
         fs = FeatureStore(out)
         assert fs.meta.dtype == stored and fs[0]["aux_hidden_states"].dtype == (torch.float32 if stored == "fp32" else torch.bfloat16)
+
+
+def test_a_store_never_mixes_states_computed_in_two_dtypes(tiny_llama_dir, smol_data, tmp_path, capsys):
+    """`capture --dtype auto` computes in bf16 on a CPU with bf16 matrix instructions and in fp32 on
+    one without, storing bf16 either way (the two --dtype values below are what it picks on each).
+    The compute dtype is part of a store's identity: a resume or a merge across the two is refused,
+    naming the store.  A store written before the field reads as 'not recorded' and takes a resume."""
+    cap = ["capture", "--model", str(tiny_llama_dir), "--data", str(smol_data), "--device", "cpu", "--store-dtype", "bf16"]
+    amx, avx2 = tmp_path / "amx", tmp_path / "avx2"
+    assert main([*cap, "--out", str(amx), "--limit", "3", "--dtype", "bf16"]) == 0
+    assert main([*cap, "--out", str(avx2), "--limit", "6", "--dtype", "fp32"]) == 0
+    assert [json.loads((d / "store.json").read_text())["compute_dtype"] for d in (amx, avx2)] == ["bf16", "fp32"]
+    assert FeatureStore(amx).meta.dtype == FeatureStore(avx2).meta.dtype == "bf16"  # what the old identity compared
+    err = _refused([*cap, "--out", str(amx), "--limit", "5", "--dtype", "fp32"], capsys)
+    assert f"{amx} holds features from a different setup (compute_dtype: store has 'bf16', this run 'fp32'" in err, err
+    assert "--dtype bf16" in err and len(FeatureStore(amx)) == 3
+    err = _refused(["features", "merge", str(amx), str(avx2), "--out", str(tmp_path / "X")], capsys)
+    assert f"{amx} has 'bf16', {avx2} has 'fp32'" in err and not (tmp_path / "X").exists(), err
+
+    old = tmp_path / "old"  # as written before the field existed
+    shutil.copytree(amx, old)
+    st = json.loads((old / "store.json").read_text())
+    del st["compute_dtype"]
+    (old / "store.json").write_text(json.dumps(st))
+    assert FeatureStore(old).meta.compute_dtype is None and len(FeatureStore(old)) == 3
+    capsys.readouterr()
+    assert main([*cap, "--out", str(old), "--limit", "5", "--dtype", "fp32"]) == 0
+    assert "does not record the dtype its states were computed in" in capsys.readouterr().err
+    assert len(FeatureStore(old)) == 5 and "compute_dtype" not in json.loads((old / "store.json").read_text())
+    # (old's bf16-computed samples differ from avx2's under the same ids: --on-collision skip keeps one)
+    assert main(["features", "merge", str(old), str(avx2), "--out", str(tmp_path / "M"), "--on-collision", "skip"]) == 0
+    assert "compute_dtype" not in json.loads((tmp_path / "M" / "store.json").read_text())  # not recorded either

@@ -98,6 +98,19 @@ def sglang_source():
     return _SGLangSource(unpacked_wheel("sglang", SGLANG_VERSION))
 
 
+def test_without_sglangs_source_the_comparisons_fail_not_skip(tmp_path, monkeypatch):
+    """No SGLang environment, no unpacked wheel, PyPI unreachable: a failure saying how to provide it."""
+    import re
+    import sys
+
+    monkeypatch.delenv("EAGLENEST_SGLANG_SRC", raising=False)
+    monkeypatch.setenv("EAGLENEST_SGLANG_PYTHON", sys.executable)  # this environment: no SGLang in it
+    monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(pytest.fail.Exception, match=f"setup_sglang.sh.*{re.escape(sys.executable)} has no sglang=="):
+        unpacked_wheel("sglang", SGLANG_VERSION)
+
+
 @pytest.mark.parametrize("cls", sorted(SGLANG_CLASS_RULE))
 def test_sglang_rules_match_the_released_source(sglang_source, cls):
     assert cls in sglang_source.entry_classes  # an architecture SGLang 0.5.23 serves

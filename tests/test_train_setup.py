@@ -174,6 +174,9 @@ def test_store_fingerprint_follows_the_samples(store, tmp_path):
     other = tmp_path / "copy"
     shutil.copytree(store.root, other)
     assert store_fingerprint(FeatureStore(other)) == fp  # where the store lives does not matter
+    st = json.loads((other / "store.json").read_text())
+    (other / "store.json").write_text(json.dumps({**st, "engine": "vllm", "compute_dtype": "bf16"}))
+    assert store_fingerprint(FeatureStore(other)) == fp  # nor who computed the states, in which dtype (not the order)
     s2 = FeatureStore(other)
     s2.drop({s2.ids()[-1]})
     assert store_fingerprint(FeatureStore(other)) != fp

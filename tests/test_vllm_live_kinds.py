@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_kind import cpu_kind
+from cpu_kind import amx_cpu
 from vllm_helpers import requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
@@ -116,7 +116,7 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, smol_data, benc
     from family_helpers import tiny_deepseek
 
     target = tiny_deepseek(tmp_path / "dsv3", smollm2)
-    amx = cpu_kind() == "intel-amx"
+    amx = amx_cpu()
     # the whole vocabulary: a random target's next tokens are not the data's frequent ones
     draft = train_draft(target, smol_data, tmp_path, {"steps": 50, "draft_attention": "mla", "draft_vocab": 49152})
     raw = json.loads((draft / "config.json").read_text())

@@ -135,6 +135,61 @@ def make_random_draft(out: Path, target_dir: Path, draft_vocab: int = 4096, seed
     return save_draft(d, out)
 
 
+def make_echo_target(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny Llama whose decoder layers add nothing (o_proj and down_proj zero): every layer's state
+    and the final one are the token's own embedding, and the tied head then picks that token again
+    (a 64-wide random embedding is closest to itself), so greedy decoding repeats the last prompt
+    token.  head_dim 32: vLLM's CPU attention takes no smaller head."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+                      head_dim=32, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    m.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def make_oracle_draft(out: Path, echo_target: Path, draft_vocab: int = 4096) -> Path:
+    """An EAGLE-3 draft that is always right about make_echo_target's target: fc keeps the first
+    captured layer's state (the last token's embedding), its layer adds nothing, and lm_head is the
+    target's embeddings over a draft vocabulary holding the tokens a chat prompt ends with (so the
+    served d2t offsets matter), so it proposes the token it was given, as the target decodes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from eaglenest.capture.layers import default_layer_ids
+    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.vocab import build_vocab
+    from eaglenest.evaluate.run import chat_prompt_ids
+    from eaglenest.export.format import save_draft
+
+    t = AutoConfig.from_pretrained(echo_target)
+    embed = AutoModelForCausalLM.from_pretrained(echo_target).get_input_embeddings().weight.detach()
+    last = chat_prompt_ids(AutoTokenizer.from_pretrained(echo_target), [{"role": "user", "content": "?"}])[-1]
+    d = Eagle3Draft(DraftConfig.from_target(t, draft_vocab_size=draft_vocab, aux_layer_ids=default_layer_ids(t.num_hidden_layers)),
+                    embed_weight=embed)
+    # the highest ids and the two needed: `last` sits at draft index 1, an offset only d2t undoes
+    d2t, t2d = build_vocab(torch.arange(t.vocab_size), draft_vocab, always=[int(t.eos_token_id), last])
+    d.set_vocab(d2t, t2d)
+    H = t.hidden_size
+    with torch.no_grad():
+        d.fc.weight.zero_()
+        d.fc.weight[:, :H] = torch.eye(H)
+        d.midlayer.self_attn.o_proj.weight.zero_()
+        d.midlayer.mlp.down_proj.weight.zero_()
+        d.lm_head.weight.copy_(embed[torch.arange(draft_vocab) + d2t])
+    return save_draft(d, out)
+
+
 def compare_features(vllm_store: Path, hf_store: Path, model_dir: Path, dtype: str) -> dict:
     """Per-layer cosine (per token) and teacher-distribution agreement between a vLLM-captured
     store (final state pre-norm) and an HF-captured one (post-norm), sample by sample."""

@@ -125,6 +125,7 @@ def store_meta_for(engine: Engine, dtype: str, fp8_block: int = FP8_BLOCK) -> St
         engine=engine.name,
         vocab_size=info.vocab_size,
         fp8_block=fp8_block_for(info.hidden_size, fp8_block) if is_fp8(dtype) else None,
+        compute_dtype=info.compute_dtype,
     )
 
 

@@ -54,6 +54,7 @@ class EngineInfo:
     layer_ids: list[int]  # capture-before
     final_norm: str  # "post" | "pre"
     extra: dict = field(default_factory=dict)
+    compute_dtype: str | None = None  # what the target computes in (bf16 | fp32 | fp16); None: not known here
 
 
 class CaptureHandle:
@@ -92,12 +93,13 @@ class Engine(ABC):
         """A server engine's account of its HTTP requests (engines/http.py `Client.stats()`); None in-process."""
         return None
 
-    def _server_info(self, final_norm: str, **extra) -> EngineInfo:
-        """info() for the server engines, which keep path/hidden_size/num_layers/vocab_size/layer_ids."""
+    def _server_info(self, final_norm: str, compute_dtype: str | None, **extra) -> EngineInfo:
+        """info() for the server engines, which keep path/hidden_size/num_layers/vocab_size/layer_ids;
+        compute_dtype: the dtype a server we start runs in, None for a server given by URL."""
         from eaglenest.models.target import target_fingerprint
 
         return EngineInfo(str(self.path), target_fingerprint(self.path), self.hidden_size, self.num_layers,
-                          self.vocab_size, list(self.layer_ids), final_norm, extra)
+                          self.vocab_size, list(self.layer_ids), final_norm, extra, compute_dtype)
 
     def __enter__(self):
         return self

@@ -15,6 +15,7 @@ import torch
 
 from eaglenest.capture.layers import parse_layer_ids
 from eaglenest.engines.base import Captured, CaptureHandle, Engine, EngineInfo, Failure, Generated, Request
+from eaglenest.features.store import DTYPES
 from eaglenest.models.target import decoder_layers, eos_token_ids, load_target, resolve_model_path, target_fingerprint
 
 NAME = "hf"
@@ -160,6 +161,7 @@ class HFEngine(Engine):
             vocab_size=cfg.vocab_size,
             layer_ids=self.layer_ids,
             final_norm="post",  # LlamaModel applies the final norm to last_hidden_state
+            compute_dtype=next((k for k, v in DTYPES.items() if v == self.model.dtype), str(self.model.dtype)),
         )
 
     def _pad(self, seqs: list[list[int]]):

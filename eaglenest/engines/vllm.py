@@ -377,7 +377,8 @@ class VLLMEngine(Engine):
 
     def info(self) -> EngineInfo:
         # vLLM's id N is the last layer's output before the final norm
-        return self._server_info("pre", urls=self.urls or "started", extract_layer_ids=[*self.layer_ids, self.num_layers])
+        return self._server_info("pre", None if self.urls else self.dtype, urls=self.urls or "started",
+                                 extract_layer_ids=[*self.layer_ids, self.num_layers])
 
     def _model(self, client: Client) -> dict:
         url = client.urls[0]

@@ -22,7 +22,8 @@ class EvalConfig:
                         "{\"question_id\", \"turns\": [...]} or {\"prompt\": ...} rows")
     limit: int | None = option(None, "only the first N prompts")
     turns: int = option(1, "2: also ask each question's second turn after the model's own first answer", choices=[1, 2])
-    steps: int = option(3, "draft steps per round (tree depth)")
+    steps: int | None = option(None, "draft steps per round (tree depth); default 3, a DFlash draft's block_size - 1 "
+                               "(the only value it can be run with)")
     topk: int = option(1, "1 = chain drafting; >1 = tree drafting (top-k per step)")
     num_draft_tokens: int | None = option(None, "tokens verified per round, root included (default steps+1 for topk 1, "
                                           "steps*topk+1 for a tree)")

@@ -105,7 +105,7 @@ def run_eval(args) -> dict:
     )
     from eaglenest.evaluate.run import chat_prompt_ids, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
-    from eaglenest.models.target import load_config, load_tokenizer, resolve_model_path
+    from eaglenest.models.target import eos_token_ids, load_config, load_tokenizer, resolve_model_path
 
     a = args
     ea = dict(getattr(a, "engine_args", None) or {})
@@ -116,11 +116,7 @@ def run_eval(args) -> dict:
     path = resolve_model_path(a.model)
     tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))
     tcfg = load_config(a.model, getattr(a, "trust_remote_code", False))
-    eos = set()
-    for v in (getattr(tcfg, "eos_token_id", None), tok.eos_token_id):
-        for x in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(x, int):
-                eos.add(x)
+    eos = set(eos_token_ids(path, tok))
     eos_list = sorted(eos)
     aux_ids, draft_vocab = None, None
     draft_dir = Path(a.draft)

@@ -135,9 +135,7 @@ def run_eval(args) -> dict:
     if not dcfg.aux_layer_ids:
         dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
     check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")
-    eos = set(eos_token_ids(path))
-    if tok.eos_token_id is not None:
-        eos.add(int(tok.eos_token_id))
+    eos = set(eos_token_ids(path, tok))
     eos_list = sorted(eos)
 
     python = find_vllm_python(ea.get("python"))

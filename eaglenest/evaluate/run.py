@@ -534,12 +534,17 @@ def greedy_summary(r: dict) -> str:
     return f"yes, {of}" if match else f"NO ({len(r.get('greedy_mismatches', []))} differ; {of})"
 
 
+DEFAULT_STEPS = 3  # an EAGLE draft's chain when --steps is not given
+
+
 def resolve_draft_steps(args) -> None:
-    """A DFlash draft drafts block_size - 1 tokens per round, in a chain: set args.steps to that (every
-    evaluator reads it) and refuse settings it cannot honour.  `--steps` other than its default (3)
-    or that number is an error: a shorter block would not be the function the draft was trained as."""
+    """Set args.steps (every evaluator reads it): `--steps` as given, else the draft's default --
+    3, or block_size - 1 for a DFlash draft, which drafts one block per round in a chain.  A DFlash
+    draft refuses any other --steps: a shorter block would not be the function it was trained as."""
     from eaglenest.export.format import is_dflash, read_draft_config
 
+    given = args.steps
+    args.steps = DEFAULT_STEPS if given is None else int(given)
     if not (Path(args.draft) / "config.json").exists():
         return
     raw, cfg = read_draft_config(args.draft)
@@ -548,9 +553,9 @@ def resolve_draft_steps(args) -> None:
     n = cfg.block_size - 1
     if int(args.topk) != 1:
         raise EaglenestError(f"a DFlash draft proposes one block per round (a chain): --topk must be 1 (got {args.topk})")
-    if int(args.steps) not in (3, n):
-        raise EaglenestError(f"a DFlash draft with block_size {cfg.block_size} drafts {n} tokens per round: --steps must be {n} "
-                             f"(got {args.steps})")
+    if given is not None and int(given) != n:
+        raise EaglenestError(f"--draft {args.draft}: a DFlash draft with block_size {cfg.block_size} drafts {n} tokens per "
+                             f"round; --steps {given} cannot be run with it (pass --steps {n} or leave it out)")
     if args.num_draft_tokens not in (None, n + 1):
         raise EaglenestError(f"a DFlash draft verifies block_size = {n + 1} tokens per round (got --num-draft-tokens {args.num_draft_tokens})")
     args.steps = n

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eaglenest import EaglenestError
@@ -62,6 +62,7 @@ def stats(path: Path | str) -> dict:
         "target": m.target,
         "target_fingerprint": m.target_fingerprint,
         "engine": m.engine,
+        "compute_dtype": m.compute_dtype,
         "shards": len({e["shard"] for e in fs.entries}),
         "sample_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)} if lengths else None,
         "failures": len(fails),
@@ -253,13 +254,23 @@ def merge(srcs: list[Path | str], dst: Path | str, ignore_disk: bool = False, on
     ref = stores[0].meta.identity()
     for fs in stores[1:]:
         d = fs.meta.identity()
-        diff = [k for k in IDENTITY_KEYS if d.get(k) != ref.get(k)]
+        diff = [k for k in IDENTITY_KEYS if k != "compute_dtype" and d.get(k) != ref.get(k)]
         if diff:
             details = ", ".join(f"{k}: {stores[0].root} has {ref.get(k)!r}, {fs.root} has {d.get(k)!r}" for k in diff)
             raise EaglenestError(f"cannot merge stores of different setups ({details})")
+    meta = stores[0].meta
+    computed = {fs.root: fs.meta.compute_dtype for fs in stores}
+    if len(set(computed.values()) - {None}) > 1:
+        raise EaglenestError("cannot merge stores whose states the target computed in different dtypes (compute_dtype: "
+                             + ", ".join(f"{r} has {c!r}" for r, c in computed.items()) + ")")
+    if None in computed.values():  # one store does not record it: neither can the merge (store.py, "Compute dtype")
+        if any(computed.values()):
+            print("warning: " + ", ".join(str(r) for r, c in computed.items() if c is None) + " do(es) not record the "
+                  "dtype the target computed their states in: the merged store will not either", file=sys.stderr)
+        meta = replace(meta, compute_dtype=None)
     names, collisions = _plan_ids(stores, dst, on_collision)
-    _check_room(dst, sum(sum(fs.lengths()) for fs in stores), stores[0].meta, ignore_disk)
-    writer = FeatureWriter(dst, stores[0].meta)
+    _check_room(dst, sum(sum(fs.lengths()) for fs in stores), meta, ignore_disk)
+    writer = FeatureWriter(dst, meta)
     s = _copy_samples(stores, writer, reencode=False, desc="merge", names=names)
     s.collisions = collisions
     _carry_failures(stores, writer)

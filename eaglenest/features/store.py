@@ -2,7 +2,8 @@
 
 Layout of FEAT_DIR:
     store.json        metadata written once at creation (target, layer ids, convention, final-norm
-                      flag, dtype, hidden size); a re-run must match it or fail loudly
+                      flag, dtype, the target's compute dtype, hidden size); a re-run must match
+                      it or fail loudly (see "Compute dtype" below)
     shards/NNNNNN-<rand>.safetensors
                       one file per capture batch; sample k's tensors are named
                       `k.input_ids` (int32 [T]), `k.loss_mask` (uint8 [T]),
@@ -26,6 +27,14 @@ teacher's logits, stays bf16).  Scales are powers of two: they only move e4m3's 
 integer operations (fast on a CPU: see fp8_decode).  Readers always get the decoded
 bf16 tensors; verify/convert/merge work on the stored ones.
 
+Compute dtype (`store.json: compute_dtype`): the dtype the target computed the states in, which
+the store dtype does not say: `capture --dtype auto` computes in bf16 on a CPU with bf16 matrix
+instructions and in fp32 on one without (utils.auto_dtype), storing bf16 either way.  A resume or a
+merge that would put states of both under one store.json is refused.  A store without the field
+(written before it existed, or captured from a server eaglenest did not start) does not record it:
+it reads as before, takes a resume of any compute dtype (with a warning: mixing cannot be ruled
+out there) and keeps not recording it; a merge with such a store does not record it either.
+
 The fp8 scheme (`store.json: fp8_block`) is how many consecutive values of a layer share one scale:
 by default the largest divisor of the hidden size <= 128 (FP8_BLOCK; a block never straddles two
 layers), 1 int8 exponent per 128 codes = 0.8 % more bytes.  One scale per (token, layer) -- block =
@@ -40,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -74,7 +84,8 @@ STORE_DTYPES = {
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # default: at most this many values share one scale (DeepSeek-V3's fp8 activation tiles are 1 x 128)
 # metadata fields that must agree between a store and the run that appends to it
-IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype", "fp8_block")
+IDENTITY_KEYS = ("target_fingerprint", "hidden_size", "num_layers", "layer_ids", "convention", "final_norm", "dtype", "fp8_block",
+                 "compute_dtype")
 
 
 def is_fp8(dtype: str) -> bool:
@@ -123,6 +134,9 @@ class StoreMeta:
     # store.json only when finer than a layer: a store without it has one scale per (token, layer),
     # as every fp8 store had before the field existed (so their store.json and fingerprints stay)
     fp8_block: int | None = None
+    # the target's compute dtype (bf16 | fp32 | fp16); None: not recorded (module doc, "Compute dtype"),
+    # and then left out of store.json, as stores written before the field have it
+    compute_dtype: str | None = None
 
     def __post_init__(self):
         if self.dtype in STORE_DTYPES and is_fp8(self.dtype):
@@ -142,6 +156,8 @@ class StoreMeta:
         d = dict(self.__dict__)
         if d["fp8_block"] in (None, self.hidden_size):
             del d["fp8_block"]
+        if d["compute_dtype"] is None:
+            del d["compute_dtype"]
         return d
 
     @classmethod
@@ -277,10 +293,18 @@ class FeatureWriter:
             old, new = read_json(existing, "store metadata"), meta.identity()
             if old.get("dtype") in STORE_DTYPES and is_fp8(old["dtype"]):
                 old.setdefault("fp8_block", old.get("hidden_size"))  # as from_dict reads it
-            diff = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
+            unrecorded = old.get("compute_dtype") is None  # takes any run's (module doc, "Compute dtype")
+            diff = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k) and not (k == "compute_dtype" and unrecorded)]
             if diff:
                 details = ", ".join(f"{k}: store has {old.get(k)!r}, this run {new.get(k)!r}" for k in diff)
+                if "compute_dtype" in diff and old["compute_dtype"] in DTYPES:
+                    details += (f"; the target computed its states in {old['compute_dtype']} (capture --dtype auto picks "
+                                f"by CPU): resume with --dtype {old['compute_dtype']}")
                 raise EaglenestError(f"{self.root} holds features from a different setup ({details}); use another --out")
+            if unrecorded and meta.compute_dtype is not None:
+                print(f"warning: {existing} does not record the dtype its states were computed in (written before "
+                      f"eaglenest recorded it, or from a server given by URL): this run computes in {meta.compute_dtype}, "
+                      "and a mix cannot be ruled out", file=sys.stderr)
         else:
             atomic_write_json(existing, meta.to_dict())
         self.manifest_path = self.root / "manifest.jsonl"

@@ -133,8 +133,10 @@ def build_scheduler(opt, warmup: int, total: int, min_ratio: float) -> torch.opt
 def store_fingerprint(store) -> str:
     """The store's setup (target, layers, dtype, ...) and its samples in order: what the data
     order of a run is a function of.  An online run's data (train/online.py) has the same three
-    facts, so it gets the fingerprint of the store a complete capture of its DATA would write."""
+    facts, so it gets the fingerprint of the store a complete capture of its DATA would write.  Which
+    engine, and in which compute dtype, computed the states does not change the order (and runs from
+    before store.json recorded the compute dtype keep their fingerprints)."""
     m = store.meta.to_dict()
-    parts = [repr(sorted((k, repr(v)) for k, v in m.items() if k not in ("target", "engine")))]
+    parts = [repr(sorted((k, repr(v)) for k, v in m.items() if k not in ("target", "engine", "compute_dtype")))]
     parts += [f"{i}:{n}" for i, n in zip(store.ids(), store.lengths())]
     return sha256_text("\n".join(parts))[:16]

@@ -199,7 +199,7 @@ class SGLangEngine(Engine):
 
     def info(self) -> EngineInfo:
         # SGLang's model forward returns the state after the final norm
-        return self._server_info("post", urls=self.urls or "started", mode=self.mode,
+        return self._server_info("post", self.dtype if self.serve else None, urls=self.urls or "started", mode=self.mode,
                                  target_sglang_version=TARGET_SGLANG_VERSION)
 
     def request_stats(self) -> dict:
