@@ -114,7 +114,8 @@ def test_a_missing_field_raises_and_is_never_defaulted(tmp_path):
 
 def test_git_state_counts_code_changes_not_result_files(tmp_path):
     """A result records the commit it ran at and whether the code differed from it; a benchmark
-    series run from one commit rewrites result files in turn, which must not count as dirty."""
+    series run from one commit rewrites result files in turn, which must not count as dirty; a
+    script not yet committed does count (gemv_rows_cpu.json named a commit without its script)."""
     import importlib.util
 
     (tmp_path / "bench" / "results").mkdir(parents=True)
@@ -134,5 +135,10 @@ def test_git_state_counts_code_changes_not_result_files(tmp_path):
     assert common.git_state() == {"git_commit": git("rev-parse", "HEAD"), "git_dirty": False}
     (tmp_path / "bench" / "results" / "a.json").write_text('{"tau": 1}\n')  # an earlier benchmark of the series
     assert common.git_state()["git_dirty"] is False
+    (tmp_path / "bench" / "results" / "b.json").write_text("{}\n")  # a new result file, untracked
+    assert common.git_state()["git_dirty"] is False
+    (tmp_path / "bench" / "new_bench.py").write_text("print(1)\n")  # a script not yet committed: not in the commit
+    assert common.git_state()["git_dirty"] is True
+    (tmp_path / "bench" / "new_bench.py").unlink()
     (tmp_path / "bench" / "common.py").write_text((tmp_path / "bench" / "common.py").read_text() + "\n# edited\n")
     assert common.git_state()["git_dirty"] is True
