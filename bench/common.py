@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,7 +51,7 @@ def child_result(cmd: list[str], **kw) -> dict:
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result.setdefault("command", " ".join([os.path.basename(sys.executable)] + sys.argv))
+    result.setdefault("command", shlex.join([os.path.basename(sys.executable)] + sys.argv))  # re-runnable as written
     result.setdefault("machine", machine())
     for k, v in git_state().items():
         result.setdefault(k, v)
