@@ -214,8 +214,9 @@ def content_errors(name: str, r: dict) -> list[str]:
                           "a result holds what its own run measured")
         typed = isinstance(v, str) and path != "command" and " " in v.strip() and (
             v.strip() in r["command"] or v in _argv(r["command"]))
-        if isinstance(v, str) and (typed or re.search(r"(?:note|notes|comment|remark)$", key, re.I)) and figures(v):
-            errors.append(f"{name}: {path} is free text with figures ({', '.join(figures(v)[:4])}): a figure is a "
+        free = isinstance(v, str) and (typed or re.search(r"(?:note|notes|comment|remark)$", key, re.I))
+        if free and (found := figures(v)):
+            errors.append(f"{name}: {path} is free text with figures ({', '.join(found[:4])}): a figure is a "
                           "field its script measured, never typed")
     return errors
 
