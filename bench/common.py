@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,8 +21,9 @@ def machine() -> dict:
 
 def git_state() -> dict:
     """The commit the benchmark ran at and whether the tree had uncommitted changes (a result from a
-    dirty tree cannot be reproduced from its commit alone).  Result files do not count: a series of
-    benchmarks run from one commit rewrites them one after the other."""
+    dirty tree cannot be reproduced from its commit alone).  Untracked files count (a script not yet
+    committed is not in the commit); result files do not: a series of benchmarks run from one commit
+    rewrites them one after the other."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
@@ -30,7 +32,7 @@ def git_state() -> dict:
         return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){_TRACKED_RESULTS.relative_to(root)}")
+        dirty = git("status", "--porcelain", "--untracked-files=all", "--", ".", f":(exclude){_TRACKED_RESULTS.relative_to(root)}")
         return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
@@ -49,7 +51,7 @@ def child_result(cmd: list[str], **kw) -> dict:
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result.setdefault("command", " ".join([os.path.basename(sys.executable)] + sys.argv))
+    result.setdefault("command", shlex.join([os.path.basename(sys.executable)] + sys.argv))  # re-runnable as written
     result.setdefault("machine", machine())
     for k, v in git_state().items():
         result.setdefault(k, v)

@@ -20,8 +20,8 @@ from pathlib import Path
 from eaglenest import EaglenestError
 from eaglenest.config import add_command, option
 
-# Full: aims at <= 25 min on 2 CPU cores once the environment exists, not met on every machine (README
-# *Demo, measured*: per stage, per CPU); --quick: <= 3 min, same outputs.
+# Full: aims at <= 25 min on 2 CPU cores once the environment exists, not met on every machine (no clean
+# timing is published: bench/report.py RETIRED demo_time_gemv.json); --quick: minutes, same outputs.
 PRESETS = {
     "full": {
         # Held-out accuracy is limited by optimizer steps and by unique data (a 4th epoch over 300
@@ -127,7 +127,7 @@ def _run(cfg, args) -> int:
     train_dtype = _train_dtype(P["dtype"], cfg.device)
     if preset_name == "full" and train_dtype == "fp32":  # said before the long stages, not after
         print("demo: this CPU has no bf16 matrix instructions (AMX / AVX512-BF16): capture and training run in fp32, "
-              "several times slower than on CPUs with them (README *Demo, measured*, per CPU); `eaglenest demo --quick` "
+              "several times slower than on CPUs with them (docs/cpu.md); `eaglenest demo --quick` "
               "shows the same pipeline in minutes", file=sys.stderr, flush=True)
     _stage("capture", timings, lambda: _cli(["capture", "--model", model, "--data", str(data), "--out", str(feats), "--device", cfg.device]))
 

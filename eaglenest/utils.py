@@ -219,8 +219,8 @@ def keep_freed_heap() -> bool:
     Why: a CPU capture batch, training step or decoding round allocates and frees the same large
     tensors over and over.  glibc serves every block above its mmap threshold (32 MiB at most)
     with a fresh mmap and trims the top of the heap as soon as 2x that is free, so each batch
-    faults in and zeroes its pages again (a visible share of a capture's CPU time in a perf profile
-    on a 2-core Xeon; the effect per stage: bench/results/demo_time_malloc.json).  Here every block comes from the heap and
+    faults in and zeroes its pages again (a visible share of a capture's CPU time in a perf profile;
+    tests/test_malloc.py counts the page faults).  Here every block comes from the heap and
     the heap is kept (the trainer still trims it every TRIM_EVERY steps, bounding the resident
     size).  Same numbers, only the allocator's bookkeeping changes.  Skipped where the user set
     glibc's own MALLOC_* variables or EAGLENEST_SYSTEM_MALLOC=1, and where the C library is not

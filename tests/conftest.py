@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Tests call `cli.main` in this process, which does not pass through the process entry (`cli.run`)
 # that tunes glibc's allocator: tune it here too, so in-process capture, training and eval run as
 # the CLI runs them (without it the MLA draft's training spent more time in the kernel faulting
-# pages in than in torch: sys 47 s of 55 s wall, 35 s tuned).  Process-local (mallopt), so the
+# pages in than in torch).  Process-local (mallopt), so the
 # subprocesses tests/test_malloc.py counts keep glibc's defaults.
 from eaglenest.utils import keep_freed_heap  # noqa: E402  (import-light: no torch yet)
 
@@ -44,8 +44,7 @@ XDIST_GROUPS = {
     "tests/test_sglang_live_deepseek.py": "sglang",
     "tests/test_sglang_live_serve.py": "sglang",
 }
-# the longest groups first (measured under two workers on an Intel AMX machine, before the MLA test trained 50 steps instead of 150: the draft kinds' file
-# ~31 min, the quick demo's users ~26, the SGLang files ~15, DFlash's and the vLLM family's ~5-8):
+# the longest groups first (by make test's --durations under two workers; no result file records them):
 # each worker takes the next one as it frees up, so no long file is left to run alone at the end
 XDIST_FIRST = ("tests/test_vllm_live_kinds.py", "quick_demo", "sglang", "tests/test_vllm_live_dflash.py", "tests/test_family_vllm.py")
 

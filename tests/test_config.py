@@ -87,7 +87,8 @@ def test_the_readme_example_config_is_valid(tmp_path):
     y = tmp_path / "run.yaml"
     y.write_text(block)
     cfg = config_from_args(train_args(["--config", str(y), "--epochs", "1"]))
-    assert (cfg.model, cfg.ttt_steps, cfg.lr, cfg.report_to, cfg.epochs) == ("smollm2", 3, 1e-3, "tensorboard", 1.0)
+    assert (cfg.model, cfg.ttt_steps, cfg.lr, cfg.batch_tokens, cfg.grad_accum, cfg.report_to, cfg.epochs) == \
+        ("/models/Llama-3.1-8B-Instruct", 7, 1e-4, 8192, 4, "tensorboard", 1.0)
 
 
 # Every other command: (argv before the options, YAML file, flags, what --print-config must show).
@@ -166,11 +167,11 @@ def test_list_and_positional_fields(tmp_path):
     assert from_args(p.parse_args(["--inputs", "a"]), Toy) == Toy(inputs=["a"])
 
 
-def test_the_readme_eval_example_config_is_valid(tmp_path, capsys):
+def test_the_docs_eval_example_config_is_valid(tmp_path, capsys):
     import yaml
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text()
     block = text.split("# eval.yaml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
     y = tmp_path / "eval.yaml"
     y.write_text(block)

@@ -105,7 +105,7 @@ def test_tau_agreement_at_temperature_1(smollm2, quick_demo, tmp_path):
     tokens (~1,500 verification steps each) keep the sampling noise of the difference near 1.5 %.
     On a CPU vLLM needs our plugin for this (engines/vllm_fixes.py: its CPU fallback expands the
     temperature of speculative positions into uninitialized memory); the report says what the
-    plugin did in the server.  Measured: bench/results/vllm_agreement_t1_quick.json."""
+    plugin did in the server.  Measured with the demo recipe's draft: bench/results/vllm_agreement_t1_demo.json."""
     from eaglenest.evaluate.run import evaluate
 
     draft = Path(os.environ.get("EAGLENEST_VLLM_AGREEMENT_DRAFT") or quick_demo / "draft")

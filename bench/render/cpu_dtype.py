@@ -1,4 +1,4 @@
-"""README *On a CPU*: bf16 autocast vs fp32 for the real training step (bench/train_cpu_dtype.py)."""
+"""docs/benchmarks.md: bf16 autocast vs fp32 for the real training step (bench/train_cpu_dtype.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,5 @@ def render(results: dict[str, dict]) -> str:
         f"{seq(acc['fp32'], 3)} (fp32) (`bench/results/train_cpu_dtype.json`). Elsewhere bf16 is emulated and slower, so "
         f"`--dtype auto` stays fp32 on CPUs and `eaglenest demo` picks bf16 only where those instructions exist. In runs "
         f"of more than one epoch the trainer computes the target's full-vocabulary argmax once per micro-batch and reuses "
-        f"it ({f['argmax_cached']['tokens_per_s'] / f['first_epoch']['tokens_per_s']:.2f}x in fp32 on SmolLM2, whose "
-        f"vocabulary is 6x the draft's)."
+        f"it ({f['argmax_cached']['tokens_per_s'] / f['first_epoch']['tokens_per_s']:.2f}x in fp32 on SmolLM2)."
     )

@@ -1,4 +1,4 @@
-"""README *On a CPU*: host memory of CPU training (bench/train_cpu_memory.py)."""
+"""docs/benchmarks.md: host memory of CPU training (bench/train_cpu_memory.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README *On a CPU*: the eval's linears in eaglenest's gemv kernel vs torch (bench/eval_gemv.py)."""
+"""docs/benchmarks.md: the eval's linears in eaglenest's gemv kernel vs torch (bench/eval_gemv.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README *On a CPU*: the eval's linears in the gemv kernel's AVX2 build vs torch (bench/eval_gemv.py on a
+"""docs/benchmarks.md: the eval's linears in the gemv kernel's AVX2 build vs torch (bench/eval_gemv.py on a
 CPU without AVX512-BF16)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""README *On a CPU*: the eval's prompt prefills in an fp32 GEMM vs torch's emulated bf16 GEMM on a CPU
+"""docs/benchmarks.md: the eval's prompt prefills in an fp32 GEMM vs torch's emulated bf16 GEMM on a CPU
 without bf16 matrix instructions (bench/eval_prefill.py)."""
 
 from __future__ import annotations

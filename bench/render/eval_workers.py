@@ -1,4 +1,4 @@
-"""README *On a CPU*: `eval --workers N` (bench/eval_workers.py)."""
+"""docs/benchmarks.md: `eval --workers N` (bench/eval_workers.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README *On a CPU*: the gemv kernel's AVX2 build vs torch by verified rows (bench/gemv_rows.py on a
+"""docs/benchmarks.md: the gemv kernel's AVX2 build vs torch by verified rows (bench/gemv_rows.py on a
 CPU without AVX512-BF16)."""
 
 from __future__ import annotations

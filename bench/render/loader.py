@@ -1,4 +1,4 @@
-"""README *Feeding the GPUs*: the feature store's read path at the seed's shape (bench/loader.py)."""
+"""docs/benchmarks.md: the feature store's read path at the seed's shape (bench/loader.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def render(results: dict[str, dict]) -> str:
         f"(~{num(tok_per_core(b))} tokens/s per loader core) and {f['cpu_s_per_gb']:.1f} per GB of fp8 "
         f"(~{num(tok_per_core(f))} tokens/s per core; fp8 holds half the bytes per token). Matching this disk takes "
         f"~{b['cores_to_match_disk']:.1f} cores for bf16 and ~{f['cores_to_match_disk']:.1f} for fp8 (`cores_to_match_disk`). "
-        f"**The goal (≥ 0.8x the disk) is {'met' if min(b['ratio_to_disk'], f['ratio_to_disk']) >= 0.8 else 'not met'} on "
+        f"**The goal ({b['goal']}) is {'met' if min(b['ratio_to_disk'], f['ratio_to_disk']) >= 0.8 else 'not met'} on "
         f"{b['machine']['cpu_count']} shared cores**; a GPU node needs about {math.ceil(b['cores_to_match_disk'])} (bf16) or "
         f"{math.ceil(f['cores_to_match_disk'])} (fp8) loader worker processes per disk of this speed (`--loader-threads` and the "
         f"DataLoader workers of `bench/loader.py`); not run on a GPU node."

@@ -1,4 +1,4 @@
-"""README block `loss_memory`: peak tensor bytes of the teacher + one loss step at Kimi-K2.5's vocabulary."""
+"""docs/benchmarks.md: peak tensor bytes of the teacher + one loss step at Kimi-K2.5's vocabulary."""
 
 from __future__ import annotations
 

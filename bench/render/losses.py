@@ -1,4 +1,4 @@
-"""README block `losses`: the training losses side by side on the demo's recipe (bench/losses.py)."""
+"""docs/benchmarks.md: the training losses side by side on the demo's recipe (bench/losses.py)."""
 
 from __future__ import annotations
 

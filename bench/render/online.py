@@ -1,4 +1,4 @@
-"""README *Online training*: online vs offline on this CPU (bench/online.py)."""
+"""docs/benchmarks.md: online vs offline on this CPU (bench/online.py)."""
 
 from __future__ import annotations
 

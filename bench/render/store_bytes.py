@@ -1,4 +1,4 @@
-"""README *Feature store*: bytes per token of each store dtype (bench/store_dtype.py)."""
+"""docs/benchmarks.md: bytes per token of each store dtype (bench/store_dtype.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README block `store_outliers`: the fp8 store's schemes on real outliers (bench/store_outliers.py)."""
+"""docs/benchmarks.md: the fp8 store's schemes on real outliers (bench/store_outliers.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def render(results: dict[str, dict]) -> str:
              "whitened error = ‖x̂ − x‖ / ‖x‖ with every channel divided by its RMS, as the draft's fc sees it): "
              + "; ".join(f"{NAMES[t]} (hidden {m['hidden_size']}, aux layers {m['aux_layer_ids']}), {m['samples']} ShareGPT "
                          f"conversations, {m['tokens']:,} tokens" for t, m in meas.items()) + ". \"Per 128 values\" is the "
-             "default block, the largest divisor of the hidden size ≤ 128: "
+             "default block, the largest divisor of the hidden size up to 128: "
              + ", ".join(f"{m['block128_values']} for {NAMES[t]}" for t, m in meas.items()) + ".",
              "",
              "| target, layer | channel RMS max / median | token max / median: median, p99, max | flushed, one scale per (token, layer) "
@@ -54,13 +54,13 @@ def render(results: dict[str, dict]) -> str:
     q = meas["qwen25-coder"]
     lines += ["",
               f"The largest value of a token is at most {max(rec['outliers']['token_max_over_median']['max'] for rec in every):,.0f} "
-              f"times its median (always the first token, an attention sink; share of tokens over 1,000x: "
+              f"times its median (always the first token, an attention sink; share of tokens over a thousand times it: "
               f"{_span([rec['outliers']['tokens_over_1e3'] for rec in every], '.0%')}). One scale per (token, layer) flushes "
               f"{_span([rec['schemes']['token-layer']['flushed'] for rec in every], '.3%')} of the values "
               f"({_span(first, '.1%')} of the first token's), one per 128 values "
               f"{_span([rec['schemes']['block128']['flushed'] for rec in every], '.3%')}; the whitened error is "
               f"{_span([rec['schemes'][s]['rel_err_whitened'] for rec in every for s in ('token-layer', 'block128')], '.3f')} "
-              f"for both. An fp32 scale per block (exact block maximum, 4 bytes per 128 values, no exact bf16 decode) or "
+              f"for both. An fp32 scale per block (exact block maximum, an fp32 per 128 values, no exact bf16 decode) or "
               f"the 8 largest values of each (token, layer) kept in bf16 (+{100 * (q['bytes_per_value']['token-layer-keep8'] - 1):.1f} % "
               f"bytes at hidden {q['hidden_size']}) cut the raw error of the layers with a massive channel (e.g. "
               f"{raw[big][0]:.4f} -> {raw[big][1]:.4f} / {raw[big][2]:.4f}), hardly the whitened one; keeping e4m3 "
@@ -89,7 +89,8 @@ def render(results: dict[str, dict]) -> str:
               f"batches for every store, which alone differs; decoded on all {rec['eval_prompts']} MT-bench first turns "
               f"({rec['eval_max_new_tokens']} new tokens, chain of {rec['eval_steps']}, greedy, exact verification).",
               "",
-              "| store | bytes/token (Kimi-K2.5 shape) | held-out accuracy, TTT 1 / 2 / 3 | τ | τ vs bf16 (paired bootstrap 95 % CI) | text = bf16's |",
+              f"| store | bytes/token (Kimi-K2.5 shape) | held-out accuracy, TTT {' / '.join(str(j + 1) for j in range(rec['ttt_steps']))} "
+              "| τ | τ vs bf16 (paired bootstrap 95 % CI) | text = bf16's |",
               "|---|---|---|---|---|---|"]
     for v, label in VARIANTS.items():
         if v not in trained:

@@ -1,4 +1,4 @@
-"""README *On a CPU*: what the target's dtype costs on a CPU without bf16 matrix instructions
+"""docs/benchmarks.md: what the target's dtype costs on a CPU without bf16 matrix instructions
 (bench/target_dtype.py), behind `--dtype auto`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""README *On a CPU*: the TTT attention kernels in the real training step (bench/train_attn.py)."""
+"""docs/benchmarks.md: the TTT attention kernels in the real training step (bench/train_attn.py)."""
 
 from __future__ import annotations
 

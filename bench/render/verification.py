@@ -1,4 +1,4 @@
-"""README *On a CPU*: what exact verification costs on this CPU (bench/verification_cpu.py)."""
+"""docs/benchmarks.md: what exact verification costs on this CPU (bench/verification_cpu.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ class CaptureConfig:
                               f"--fp8-block values (half of bf16's bytes; decoded to bf16 on read), fp8-aux = only the aux "
                               f"states in fp8; auto (the default) = {COMPACT_DTYPE} for a target with hidden size >= "
                               f"{COMPACT_FROM_HIDDEN} run in bf16, else --dtype (so --dtype fp32 stores fp32). The resolved "
-                              f"choice is printed at start; the measured cost is in the README", choices=["auto", *STORE_DTYPES])
+                              f"choice is printed at start; the measured cost is in docs/benchmarks.md", choices=["auto", *STORE_DTYPES])
     fp8_block: int = option(FP8_BLOCK, "fp8 stores: how many consecutive values of a layer share one scale (the largest "
                             "divisor of the hidden size <= N is used; 0 = one scale per token and layer, the scheme of fp8 "
                             f"stores written before this option, which loses the small channels of targets with massive "

@@ -7,9 +7,9 @@ for its Triton kernels (`platforms/cpu.py` `register_triton_kernel_overrides`). 
 and dropped, so the caller's `x.new_empty(num_tokens)` is returned uninitialized.  The rejection
 sampler expands the per-request temperature (float32), top-k (int32) and top-p (float32) to the
 draft positions with it, so at temperature > 0 every speculative position's target distribution
-is divided by garbage (measured: NaN or zero target probabilities at 40 % of the drafted positions,
-tau 1.03 where the same draft's lossless rate is 1.10) -- vLLM's speculative sampling on that CPU
-path is then neither lossless nor comparable.  Greedy requests never expand, so temperature 0 is
+is divided by garbage (NaN or zero target probabilities at many drafted positions, in diagnostic runs
+that left no result file) -- vLLM's speculative sampling on that CPU path is then neither lossless
+nor comparable.  Greedy requests never expand, so temperature 0 is
 unaffected.
 
 What: `register()` (entry point `vllm.general_plugins`, which vLLM calls in every process just

@@ -4,13 +4,14 @@ Why: greedy speculative decoding is only *provably* equal to plain greedy decodi
 gives a token the same logits whether it is fed alone (plain decoding, one row per forward) or as
 row i of a verification forward (num_draft_tokens rows).  Floating-point kernels do not promise
 that: their blocking, and so the summation order, may depend on how many rows are computed
-together.  What was measured (torch 2.13, SmolLM2 shapes):
+together.  What was seen (torch 2.13, SmolLM2 shapes; diagnostic runs whose result files were
+retired, so no figure of them is quoted here):
 
-  * SDPA over several query rows is not row-invariant on any CPU we have seen (logits move by
-    ~0.3; near-ties flip the argmax);
-  * bf16 `F.linear` on Intel Xeons with AMX: row-invariant for 1..32 rows; on an AMD EPYC with
-    AVX512-BF16 and no AMX the down_proj shape (K = 1536) is not: a 4-row call differs from four
-    1-row calls in ~1 of 6,000 outputs, enough to flip 2 of 6 MT-bench answers within 48 tokens;
+  * SDPA over several query rows is not row-invariant on any CPU we have seen (near-ties flip the
+    argmax);
+  * bf16 `F.linear` on Intel Xeons with AMX: row-invariant for the row counts probed; on an AMD EPYC
+    with AVX512-BF16 and no AMX the down_proj shape (K = 1536) is not: a 4-row call differs from four
+    1-row calls in a few outputs, enough for speculative output to part from plain greedy output;
   * fp32 `F.linear` on that AMD CPU: no shape is row-invariant.
 
 So the property is probed at run time, on this machine, with this thread count, and the
@@ -66,7 +67,8 @@ PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per
 ATTENTION_CHOICES = ("auto", "rowwise", "model")
 LINEAR_CHOICES = ("auto", "kernel", "torch")
 # `--linears auto` takes the gemv kernel for verifications of at most this many rows, per build: where
-# it stops beating torch's batched kernels (bench/results/gemv_rows_cpu*.json)
+# it stops beating torch's batched kernels (bench/results/gemv_rows_cpu_avx2.json; the avx512-bf16 limit's
+# file, gemv_rows_cpu.json, is retired until re-run: bench/report.py RETIRED)
 GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 64}
 
 
@@ -200,7 +202,7 @@ def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, f
         return gemv.linear(x, module.weight, module.bias)
     if fp32_prefill and x.dtype == torch.bfloat16:
         # a long prefill where torch emulates bf16 GEMMs (no AMX / AVX512-BF16): the same bf16 values in an
-        # fp32 GEMM, rounded back, ~5x faster there (bench/results/eval_prefill_cpu_avx2.json)
+        # fp32 GEMM, rounded back: faster there (the demo's eval: bench/results/eval_prefill_cpu_avx2.json)
         b = None if module.bias is None else module.bias.float()
         return F.linear(x.float(), module.weight.float(), b).to(x.dtype)
     return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders

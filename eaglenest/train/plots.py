@@ -34,7 +34,8 @@ def plot_run(run_dir: Path | str) -> list[Path]:
             if ev:
                 ax.plot(*zip(*ev), color=cmap(j), marker="o", ms=3, lw=1.6, label=f"position {j}")
         ax.set_xlabel("optimizer step")
-        ax.set_title(f"{title} per TTT position (thin: train, dots: held-out)")
+        # two lines: on one, the accuracy plot's title ran off both edges of the 7-inch figure
+        ax.set_title(f"{title} per TTT position\n(thin: train, dots: held-out)", fontsize=10)
         ax.grid(alpha=0.3)
         if any(f"eval_{key}" in r for r in rows):
             ax.legend(fontsize=7, ncol=2)
@@ -51,7 +52,7 @@ def plot_run(run_dir: Path | str) -> list[Path]:
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, lw=1.6, label=label)
         ax.set_xlabel("optimizer step")
-        ax.set_title(f"predicted tau at {ev[-1]['eval_serve_steps']} serve steps (held-out, teacher-forced)")
+        ax.set_title(f"predicted tau at {ev[-1]['eval_serve_steps']} serve steps\n(held-out, teacher-forced)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()

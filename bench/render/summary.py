@@ -1,0 +1,85 @@
+"""README *Results*: one row per headline measurement, each from its result files (the full blocks are in
+docs/benchmarks.md).  A row: a function of the parsed files returning (what, result, what it covers)."""
+
+from __future__ import annotations
+
+from _fmt import cpu, seq
+
+
+def tau(r):
+    ce = r["arms"]["l-ce"]["decoded"]
+    d = r["decode"]
+    return ("Acceptance length τ of a draft trained with `eaglenest demo`'s recipe on SmolLM2-135M",
+            f"**{ce['t0']['tau']:.3f}** at temperature 0, **{ce['t1']['tau']:.3f}** at 1",
+            f"all {d['prompts']} MT-bench first turns, {d['max_new_tokens']} new tokens, chain of {d['steps']}, our decoder, {cpu(r)}")
+
+
+def vllm(r):
+    x = r["bf16"]
+    return (f"The same draft served by vLLM {r['vllm_version'].split('-')[1]} vs our decoder, temperature {r['temperature']:g}",
+            f"τ {x['tau_vllm']:.3f} vs {x['tau_ours']:.3f} ({100 * x['relative_gap']:.1f} % apart)",
+            f"{x['prompts']} MT-bench prompts × {r['max_new_tokens']} tokens, bf16, {cpu(r)}")
+
+
+def sglang(r):
+    c, g = r["min_token_cosine"], r["greedy"]
+    return ("SGLang's CPU engine with eaglenest's capture plugin vs the hf engine",
+            f"per-token cosine at least {c['aux_layers']}; greedy text identical on {g['equal']} of {g['texts_compared']}",
+            f"SmolLM2 {r['dtype']}, {r['samples']} ShareGPT samples")
+
+
+def exact(r):
+    d, n = r["decoding"], r["texts_compared"]
+    return ("Speculative == plain greedy output in `eval` on a CPU",
+            f"{d['probe']['same_as_plain']} of {n} prompts with the probed setting ({d['model']['same_as_plain']} of {n} "
+            f"with the model's own attention)",
+            f"{r['prompts']} MT-bench prompts × {r['max_new_tokens']} tokens, SmolLM2 bf16, {cpu(r)}")
+
+
+def fp8(d, o):
+    x = o["variants"]["fp8-block128"]
+    t = x["tau_minus_bf16"]
+    return ("fp8 feature store (one scale per block) vs bf16",
+            f"{d['variants']['fp8']['bytes_on_disk_per_token'] / d['variants']['bf16']['bytes_on_disk_per_token']:.2f}x "
+            f"the bytes; τ {t['pct']:+.2f} % ({t['ci95_pct'][0]:+.2f} … {t['ci95_pct'][1]:+.2f} %, 95 % interval)",
+            f"bytes: SmolLM2; τ: a draft for Qwen2.5-Coder-0.5B trained on each store, {x['n_prompts']} MT-bench first turns")
+
+
+def bf16(r):
+    return ("CPU training step, bf16 autocast vs fp32",
+            f"{r['bf16_speedup']['first_epoch']:.2f}x the tokens/s",
+            f"the demo recipe, {r['steps_per_phase']} steps, {cpu(r)} (bf16 matrix instructions)")
+
+
+def gemv(r):
+    return ("`eval` with eaglenest's gemv kernel vs torch's linears",
+            f"{seq(r['kernel_over_torch_eval_s'])} of the time, round by round",
+            f"the demo's eval stage, {r['prompts']} MT-bench first turns, {cpu(r)}")
+
+
+def online(r):
+    s = r["summary"]
+    return ("Online training (no feature store) vs capture + train",
+            f"τ {s['tau']['online']:.3f} vs {s['tau']['offline']:.3f}; {s['wall_online_over_offline']:.2f}x the wall time",
+            f"the demo recipe on {r['recipe']['samples']} conversations, {r['recipe']['eval']['limit']} MT-bench questions, {cpu(r)}")
+
+
+ROWS = [
+    (["losses.json"], tau),
+    (["vllm_agreement_t1_demo.json"], vllm),
+    (["sglang_live.json"], sglang),
+    (["verification_cpu.json"], exact),
+    (["store_dtype.json", "store_outliers.json"], fp8),
+    (["train_cpu_dtype.json"], bf16),
+    (["eval_gemv_cpu.json"], gemv),
+    (["online.json"], online),
+]
+FILES = [f for files, _ in ROWS for f in files]
+
+
+def render(results: dict[str, dict]) -> str:
+    lines = ["| measured | result | covers | file |", "|---|---|---|---|"]
+    for files, row in ROWS:
+        what, result, covers = row(*(results[f] for f in files))
+        lines.append(f"| {what} | {result} | {covers} | {', '.join(f'`{f}`' for f in files)} |")
+    return "\n".join(lines)
