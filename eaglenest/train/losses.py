@@ -41,6 +41,8 @@ backward, the rows' and the head's gradients.  `chunk_rows` keeps c x Vd at LOSS
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -316,7 +318,29 @@ class HardTarget:
     labels: torch.Tensor
 
 
+def use_kernels(z: torch.Tensor) -> bool:
+    """Whether a chunk's loss runs on the Triton kernels (loss_kernels.py): a CUDA tensor (or Triton's
+    interpreter), contiguous rows, Triton installed, and not switched off (EAGLENEST_LOSS_KERNEL=torch)."""
+    if os.environ.get("EAGLENEST_LOSS_KERNEL", "auto") == "torch" or z.stride(-1) != 1:
+        return False
+    if not (z.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def _rows_chunk(target, s: int, e: int, z: torch.Tensor, grad_dtype, want_alpha: bool):
+    """One chunk's per-row losses and logits gradient: on CUDA the Triton kernels where they cover the
+    loss (loss_kernels.py; the gradient overwrites z), else the torch path."""
+    grad = grad_dtype is not None
+    if use_kernels(z):
+        from eaglenest.train import loss_kernels
+
+        if isinstance(target, HardTarget):
+            return (*loss_kernels.hard_rows(z, target.labels[s:e], grad), None, None)
+        if not want_alpha:
+            r = loss_kernels.soft_rows(z, target.teacher, target.rows[s:e], target.spec, grad)
+            if r is not None:
+                return (*r, None, None)
     if isinstance(target, HardTarget):
         loss, dz, arg = hard_rows(z, target.labels[s:e], grad_dtype)
         return loss, dz, arg, None, None
