@@ -56,15 +56,37 @@ def eager_attention(qg, k, v, mask, diag_kv, scale: float):
     return out
 
 
-def block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale: float):
+BLOCK_SCORES_ELEMS = 1 << 26  # fp32 context scores of DFlash's block attention alive at once (256 MiB)
+
+
+def block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale: float, budget: int | None = None):
     """DFlash's attention: each block of queries sees a prefix of the context keys and every key of
     its own block (non-causal inside the block), nothing of other blocks.
 
     qg [B, kv, g, N, S, hd] (N blocks of S queries), ctx_k/ctx_v [B, kv, T, hd], blk_k/blk_v
     [B, kv, N, S, hd], ctx_visible [B, N] int: block n sees context keys 0..ctx_visible[b, n]-1.
-    Materializes [.., N*S, T] context scores (fine for CPU-sized batches; a decoding round has N = 1).
-    Computed in >= fp32 with autocast off: the inputs are small, the scores large, and casting the
-    scores (bf16 matmul out, fp32 softmax, bf16 matmul in) would copy them twice more."""
+    Materializes [.., n*S, T] context scores for n blocks at a time, n such that they hold at most
+    `budget` (BLOCK_SCORES_ELEMS) elements; under autograd each group of blocks is checkpointed, so
+    backward too holds one group's scores at a time (a decoding round has N = 1: one group)."""
+    B, n_kv, g, N, S, hd = qg.shape
+    per_block = B * n_kv * g * S * ctx_k.shape[2]
+    n = max(1, (budget or BLOCK_SCORES_ELEMS) // max(1, per_block))
+    if n >= N:
+        return _block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale)
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled()
+    outs = []
+    for s in range(0, N, n):
+        args = (qg[:, :, :, s : s + n], ctx_k, ctx_v, blk_k[:, :, s : s + n], blk_v[:, :, s : s + n], ctx_visible[:, s : s + n], scale)
+        outs.append(checkpoint(_block_attention, *args, use_reentrant=False) if grad else _block_attention(*args))
+    return torch.cat(outs, dim=3)
+
+
+def _block_attention(qg, ctx_k, ctx_v, blk_k, blk_v, ctx_visible, scale: float):
+    """block_attention over all of qg's blocks at once.  Computed in >= fp32 with autocast off: the
+    inputs are small, the scores large, and casting the scores (bf16 matmul out, fp32 softmax, bf16
+    matmul in) would copy them twice more."""
     B, n_kv, g, N, S, hd = qg.shape
     T = ctx_k.shape[2]
     out_dtype = qg.dtype
