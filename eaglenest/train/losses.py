@@ -209,20 +209,19 @@ def normalize_loss(text: str) -> str:
 
 def _softmax_parts(z: torch.Tensor, ph: torch.Tensor | None):
     """z [c, Vd] (any float dtype) -> (q = softmax(z) in >= fp32, log-sum-exp, the argmax, <z, ph> - lse or
-    None): one max pass over z as it came from the matmul (bf16 logits are read once, never copied
-    to fp32 whole), the rest in place on one >= fp32 [c, Vd] buffer."""
-    acc = torch.promote_types(z.dtype, torch.float32)
+    None): the max (and argmax) over z as it came from the matmul, then one >= fp32 buffer worked on in place
+    (z itself when it is >= fp32: the caller's logits are consumed)."""
     m, arg = z.max(dim=-1)
-    e = z - m.to(acc)[:, None]  # z - max, exactly, in acc (a mixed-dtype subtraction promotes)
+    e = z.to(torch.promote_types(z.dtype, torch.float32)).sub_(m[:, None])  # z - max, exactly (same-dtype ops: vectorized)
     dot = None if ph is None else torch.linalg.vecdot(e, ph)  # <z, ph> - max (ph sums to 1)
     s = e.exp_().sum(-1)
     logs = s.log()
-    return e.mul_(s.reciprocal_()[:, None]), m.to(acc) + logs, arg, None if dot is None else dot - logs
+    return e.mul_(s.reciprocal_()[:, None]), m.to(e.dtype) + logs, arg, None if dot is None else dot - logs
 
 
 def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: LossSpec, grad_dtype: torch.dtype | None,
               want_alpha: bool):
-    """Soft-label losses of draft logits z [c, Vd] against teacher rows `rows` [c] -> (loss [c] (the mix,
+    """Soft-label losses of draft logits z [c, Vd] (consumed) against teacher rows `rows` [c] -> (loss [c] (the mix,
     per row, >= fp32), dz [c, Vd] = d loss_i / dz_i in `grad_dtype` (None: not computed), the draft's
     argmax [c], alpha [c] or None, p(draft argmax) [c] or None).  The gradient is written out (module
     docstring): autograd would keep four [c, Vd] tensors per row chunk."""
@@ -264,8 +263,8 @@ def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: L
         return loss, None, arg, alpha, pt_arg
     c_kl = spec.weight("ce") + spec.weight("kl")
     if not spec.needs_alpha:  # ce, kl and their mixes: c_kl (q - p^), written straight in the gradient's dtype
-        dz = torch.sub(q, ph, out=torch.empty(q.shape, dtype=grad_dtype, device=q.device))
-        return loss, dz if c_kl == 1.0 else dz.mul_(c_kl), arg, alpha, pt_arg
+        dz = q.sub_(ph) if c_kl == 1.0 else q.sub_(ph).mul_(c_kl)
+        return loss, dz.to(grad_dtype), arg, alpha, pt_arg
     # grad = c_kl (q - p^) + c_alpha dalpha/dz, dalpha/dz = q (m - A), m = [q < p], A = <m, q>, i.e.
     # q * (c_kl - c_alpha A + c_alpha m) - c_kl p^, with per-row c_kl and c_alpha
     c_kl = torch.full_like(alpha, c_kl)
@@ -288,10 +287,11 @@ def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: L
 
 
 def hard_rows(z: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype | None):
-    """Hard-label cross-entropy of logits z [c, Vd] against draft ids `labels` [c] -> (loss [c] >= fp32,
+    """Hard-label cross-entropy of logits z [c, Vd] (consumed) against draft ids `labels` [c] -> (loss [c] >= fp32,
     dz = softmax - onehot in `grad_dtype` or None, the draft's argmax [c])."""
+    zl = z.gather(1, labels[:, None])[:, 0]
     q, lse, arg, _ = _softmax_parts(z, None)
-    loss = lse - z.gather(1, labels[:, None])[:, 0].to(lse.dtype)
+    loss = lse - zl.to(lse.dtype)
     if grad_dtype is None:
         return loss, None, arg
     q.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
