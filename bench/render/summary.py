@@ -64,6 +64,14 @@ def online(r):
             f"the demo recipe on {r['recipe']['samples']} conversations, {r['recipe']['eval']['limit']} MT-bench questions, {cpu(r)}")
 
 
+def train_ab(r):
+    s = r["summary"]
+    return ("CPU training step vs the trainer before row compaction, the fused head + loss and bf16 parameters",
+            f"**{s['speedup_median']:.2f}x** faster, peak RSS {s['peak_rss_gib']['new']:.2f} vs {s['peak_rss_gib']['base']:.2f} GiB, "
+            f"losses {100 * s['loss_rel_diff_mean']:.2f} % apart",
+            f"the demo recipe, {r['steps']} steps × {r['rounds']} paired rounds, {cpu(r)} ({r['cpu_kind']})")
+
+
 ROWS = [
     (["losses.json"], tau),
     (["vllm_agreement_t1_demo.json"], vllm),
@@ -71,6 +79,7 @@ ROWS = [
     (["verification_cpu.json"], exact),
     (["store_dtype.json", "store_outliers.json"], fp8),
     (["train_cpu_dtype.json"], bf16),
+    (["train_step_ab_demo_amx.json"], train_ab),
     (["eval_gemv_cpu.json"], gemv),
     (["online.json"], online),
 ]
