@@ -124,32 +124,17 @@ def chunk_rows(n_kv: int, g: int, T: int, budget: int) -> int:
     return max(16, min(T, budget // max(1, n_kv * g * T)))
 
 
-def _key_end(qpos, s: int, e: int) -> int:
-    """Keys a query chunk [s, e) can see: e (causal), or 1 + its largest position (one host sync: the
-    chunked kernel is the plain-torch fallback, not the fast path)."""
-    return e if qpos is None else int(qpos[:, s:e].max()) + 1
-
-
-def _chunk_mask(qpos, s: int, e: int, ke: int, device):
-    """[B or 1, 1, c, ke] True where key > the query's position (masked out)."""
-    if qpos is None:
-        keys, pos = torch.arange(ke, device=device), torch.arange(s, e, device=device)
-        return (keys[None, :] > pos[:, None])[None, None]
-    return (torch.arange(ke, device=device)[None, None, :] > qpos[:, s:e, None])[:, None]
-
-
 class _ChunkedCausalFn(torch.autograd.Function):
     """Causal GQA attention returning (out, lse), flash-style in plain torch.
 
-    q [B, kv, g, Tq, hd], k [B, kv, Tk, hd], v [B, kv, Tk, vd] -> out [B, kv, g, Tq, vd] (q's dtype),
-    lse [B, kv, g, Tq] (fp32, natural log).  Query r sees keys 0..qpos[b, r] (`qpos` [B, Tq] long), or
-    keys 0..r when qpos is None (Tq == Tk).  Forward and backward walk query chunks; a chunk's scores
-    [B, kv, g*c, e] (e = the chunk's last visible key + 1) are the largest transient.  The backward
-    takes a gradient for lse too (dS = P * (dP - D + dlse)), which the exact diagonal merge needs.
+    q [B, kv, g, T, hd], k [B, kv, T, hd], v [B, kv, T, vd] -> out [B, kv, g, T, vd] (q's dtype), lse [B, kv, g, T]
+    (fp32, natural log).  Forward and backward walk query chunks; a chunk's scores
+    [B, kv, g*c, e] (e = chunk end) are the largest transient.  The backward takes a gradient
+    for lse too (dS = P * (dP - D + dlse)), which the exact diagonal merge needs.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, rows: int, qpos):
+    def forward(ctx, q, k, v, scale: float, rows: int):
         B, n_kv, g, T, hd = q.shape
         vd = v.shape[-1]
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -157,22 +142,23 @@ class _ChunkedCausalFn(torch.autograd.Function):
         lse = torch.empty(B, n_kv, g, T, dtype=acc, device=q.device)
         for s in range(0, T, rows):
             e = min(T, s + rows)
-            c, ke = e - s, _key_end(qpos, s, e)
+            c = e - s
             qc = q[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
-            sc = torch.matmul(qc, k[:, :, :ke].transpose(-1, -2)).to(acc).mul_(scale)  # [B, kv, g*c, ke]
-            sc.view(B, n_kv, g, c, ke).masked_fill_(_chunk_mask(qpos, s, e, ke, q.device)[:, :, None], float("-inf"))
+            sc = torch.matmul(qc, k[:, :, :e].transpose(-1, -2)).to(acc).mul_(scale)  # [B, kv, g*c, e]
+            sc5 = sc.view(B, n_kv, g, c, e)
+            tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)  # key > query inside the block
+            sc5[..., s:e].masked_fill_(tri, float("-inf"))
             l = torch.logsumexp(sc, dim=-1, keepdim=True)
             p = sc.sub_(l).exp_().to(v.dtype)
-            out[:, :, :, s:e] = torch.matmul(p, v[:, :, :ke]).view(B, n_kv, g, c, vd)
+            out[:, :, :, s:e] = torch.matmul(p, v[:, :, :e]).view(B, n_kv, g, c, vd)
             lse[:, :, :, s:e] = l.view(B, n_kv, g, c)
-        ctx.save_for_backward(q, k, v, out, lse, qpos if qpos is not None else q.new_empty(0, dtype=torch.long))
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.rows = scale, rows
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, qpos = ctx.saved_tensors
-        qpos = qpos if qpos.numel() else None
+        q, k, v, out, lse = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
         B, n_kv, g, T, hd = q.shape
         vd = v.shape[-1]
@@ -184,46 +170,42 @@ class _ChunkedCausalFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         for s in range(0, T, rows):
             e = min(T, s + rows)
-            c, ke = e - s, _key_end(qpos, s, e)
+            c = e - s
             qc = q[:, :, :, s:e].reshape(B, n_kv, g * c, hd)
             doc = dout[:, :, :, s:e].reshape(B, n_kv, g * c, vd)
             D = (doc.to(acc) * out[:, :, :, s:e].reshape(B, n_kv, g * c, vd).to(acc)).sum(-1, keepdim=True)
             if dlse is not None:
                 D = D - dlse[:, :, :, s:e].reshape(B, n_kv, g * c, 1).to(acc)
-            sc = torch.matmul(qc, k[:, :, :ke].transpose(-1, -2)).to(acc).mul_(scale)
-            sc.view(B, n_kv, g, c, ke).masked_fill_(_chunk_mask(qpos, s, e, ke, q.device)[:, :, None], float("-inf"))
-            p = sc.sub_(lse[:, :, :, s:e].reshape(B, n_kv, g * c, 1)).exp_()  # [B, kv, g*c, ke]
-            dv[:, :, :ke] += torch.matmul(p.to(v.dtype).transpose(-1, -2), doc).to(acc)
-            dp = torch.matmul(doc, v[:, :, :ke].transpose(-1, -2)).to(acc)
+            sc = torch.matmul(qc, k[:, :, :e].transpose(-1, -2)).to(acc).mul_(scale)
+            sc5 = sc.view(B, n_kv, g, c, e)
+            tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)
+            sc5[..., s:e].masked_fill_(tri, float("-inf"))
+            p = sc.sub_(lse[:, :, :, s:e].reshape(B, n_kv, g * c, 1)).exp_()  # [B, kv, g*c, e]
+            dv[:, :, :e] += torch.matmul(p.to(v.dtype).transpose(-1, -2), doc).to(acc)
+            dp = torch.matmul(doc, v[:, :, :e].transpose(-1, -2)).to(acc)
             ds = p.mul_(dp.sub_(D)).mul_(scale).to(q.dtype)  # dS * scale
-            dq[:, :, :, s:e] = torch.matmul(ds, k[:, :, :ke]).view(B, n_kv, g, c, hd).to(acc)
-            dk[:, :, :ke] += torch.matmul(ds.transpose(-1, -2), qc).to(acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dq[:, :, :, s:e] = torch.matmul(ds, k[:, :, :e]).view(B, n_kv, g, c, hd).to(acc)
+            dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), qc).to(acc)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class ChunkedCausal:
-    """Causal kernel: q [B, kv, g, Tq, hd], k [B, kv, Tk, hd], v [B, kv, Tk, vd], optional qpos [B, Tq]
-    -> (out [.., vd], lse [B, kv, g, Tq] fp32)."""
+    """Causal kernel: q [B, kv, g, T, hd], k [B, kv, T, hd], v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32)."""
 
     name = "chunked"
 
     def __init__(self, chunk_elems: int | None = None):
         self.chunk_elems = chunk_elems  # scores alive per query chunk (None: 2^28 on CUDA, 2^22 on CPU)
 
-    def __call__(self, q, k, v, scale: float, qpos=None):
+    def __call__(self, q, k, v, scale: float):
         B, n_kv, g, T, hd = q.shape
         budget = self.chunk_elems or (1 << 28 if q.is_cuda else 1 << 22)
-        return _ChunkedCausalFn.apply(q, k, v, scale, chunk_rows(n_kv, g, k.shape[2], budget), qpos)
+        return _ChunkedCausalFn.apply(q, k, v, scale, chunk_rows(n_kv, g, T, budget))
 
 
 # --- torch's fused CPU flash kernel ------------------------------------------------------------
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-
-def visible_keys(qpos: torch.Tensor, Tk: int) -> torch.Tensor:
-    """[B, 1, Tq, Tk] bool: True where key <= the query's position (the mask of a query-position kernel)."""
-    return (torch.arange(Tk, device=qpos.device)[None, None, :] <= qpos[:, :, None])[:, None]
 
 
 class _SdpaCausalFn(torch.autograd.Function):
@@ -234,27 +216,24 @@ class _SdpaCausalFn(torch.autograd.Function):
     alone; zero value columns give zero outputs, cut off).  Its lse output carries no gradient in
     torch, and the merge of the diagonal keys needs one: the backward computes dS = P (dP - D) with
     D = rowsum(dO * O) from the O it is handed, so one more value column with O = -dlse and dO = 1
-    makes it P (dP - D + dlse), the exact lse term (q, k, v get a zero column there).  `mask` None:
-    causal (Tq == Tk); else an additive [B, 1, Tq, Tk] mask (0 where `visible_keys`, -inf elsewhere)."""
+    makes it P (dP - D + dlse), the exact lse term (q, k, v get a zero column there)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, mask):
+    def forward(ctx, q, k, v, scale: float):
         B, n_kv, g, T, hd = q.shape
         vd = v.shape[-1]
         w = max(hd, vd)
         qh = _pad_last(q.reshape(B, n_kv * g, T, hd), w)
         kh, vh = (_pad_last(x.repeat_interleave(g, dim=1) if g > 1 else x, w) for x in (k, v))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, mask is None, attn_mask=mask, scale=scale)
-        ctx.save_for_backward(qh, kh, vh, out, lse, mask if mask is not None else q.new_empty(0, dtype=torch.bool))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, True, scale=scale)
+        ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.scale, ctx.dims = scale, (B, n_kv, g, T, hd, vd)
         return out[..., :vd].reshape(B, n_kv, g, T, vd), lse.reshape(B, n_kv, g, T)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qh, kh, vh, out, lse, mask = ctx.saved_tensors
-        mask = mask if mask.numel() else None
+        qh, kh, vh, out, lse = ctx.saved_tensors
         B, n_kv, g, T, hd, vd = ctx.dims
-        Tk = kh.shape[2]
         w = out.shape[-1]
         dout = out.new_zeros(B, n_kv * g, T, w) if dout is None else _pad_last(dout.reshape(B, n_kv * g, T, vd), w)
         if dlse is not None:
@@ -262,25 +241,22 @@ class _SdpaCausalFn(torch.autograd.Function):
             out = torch.cat([out, (-dlse.reshape(lse.shape)).to(out.dtype)[..., None]], -1)
             dout = torch.cat([dout, torch.ones_like(dout[..., :1])], -1)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), qh, kh, vh, out, lse, 0.0, mask is None, attn_mask=mask, scale=ctx.scale)
+            dout.contiguous(), qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale)
         dq, dk, dv = dq[..., :hd], dk[..., :hd], dv[..., :vd]
         if g > 1:  # the repeated K/V heads: their gradients add up
-            dk, dv = dk.reshape(B, n_kv, g, Tk, hd).sum(2), dv.reshape(B, n_kv, g, Tk, vd).sum(2)
-        return dq.reshape(B, n_kv, g, T, hd), dk, dv, None, None
+            dk, dv = dk.reshape(B, n_kv, g, T, hd).sum(2), dv.reshape(B, n_kv, g, T, vd).sum(2)
+        return dq.reshape(B, n_kv, g, T, hd), dk, dv, None
 
 
 class SdpaCausal:
-    """Causal kernel on torch's fused CPU flash attention: q [B, kv, g, Tq, hd], k [B, kv, Tk, hd],
-    v [B, kv, Tk, vd], optional qpos [B, Tq] -> (out [.., vd], lse [B, kv, g, Tq] fp32).  CPU only
-    (flex is CUDA's): causal_kernel refuses it for another device."""
+    """Causal kernel on torch's fused CPU flash attention: q [B, kv, g, T, hd], k [B, kv, T, hd],
+    v [B, kv, T, vd] -> (out [.., vd], lse [B, kv, g, T] fp32).  CPU only (flex is CUDA's): causal_kernel
+    refuses it for another device."""
 
     name = "sdpa"
 
-    def __call__(self, q, k, v, scale: float, qpos=None):
-        mask = None
-        if qpos is not None:  # the kernel takes an additive mask in the query's dtype
-            mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~visible_keys(qpos, k.shape[2]), float("-inf"))
-        return _SdpaCausalFn.apply(q, k, v, scale, mask)  # the kernel's lse is fp32 for bf16 inputs, fp64 for fp64
+    def __call__(self, q, k, v, scale: float):
+        return _SdpaCausalFn.apply(q, k, v, scale)  # the kernel's lse is fp32 for bf16 inputs, fp64 for fp64
 
 
 # --- flex attention ----------------------------------------------------------------------------
@@ -301,28 +277,6 @@ def causal_block_mask(T: int, device, block: int = 128):
     kv_idx = full_idx.clone()
     kv_idx[..., 0] = ar  # row r: block r (the diagonal) is partial
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=_causal_mask_mod, seq_lengths=(T, T))
-
-
-def qpos_block_mask(qpos: torch.Tensor, Tk: int, block: int = 128):
-    """The BlockMask of "query r sees keys 0..qpos[b, r]" (qpos [B, Tq] ascending per row block, Tq
-    and Tk whole blocks), from its block structure: per query block, the key blocks below its
-    smallest position are full, those up to its largest are partial (the mask_mod decides there)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    B, Tq = qpos.shape
-    nq, nk = Tq // block, Tk // block
-    qb = qpos.view(B, nq, block)
-    full = ((qb.min(-1).values + 1) // block).clamp(max=nk).to(torch.int32)  # [B, nq]
-    last = (qb.max(-1).values // block).clamp(max=nk - 1).to(torch.int32)
-    ar = torch.arange(nk, device=qpos.device, dtype=torch.int32)
-    part_idx = (full[..., None] + ar).clamp(max=nk - 1)[:, None].contiguous()
-    full_idx = ar.expand(B, 1, nq, nk).contiguous()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= qpos[b, q_idx]
-
-    return BlockMask.from_kv_blocks((last - full + 1).clamp(min=0)[:, None], part_idx, full[:, None], full_idx,
-                                    BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(Tq, Tk))
 
 
 def bucket_length(T: int, block: int = 128) -> int:
@@ -366,22 +320,16 @@ class FlexCausal:
             self._compiled = torch.compile(fa.flex_attention, dynamic=True, **kw)
         return self._compiled
 
-    def __call__(self, q, k, v, scale: float, qpos=None):
+    def __call__(self, q, k, v, scale: float):
         from torch.nn.attention import flex_attention as fa
 
         B, n_kv, g, T, hd = q.shape
-        Tk = k.shape[2]
-        Tp, Tkp = bucket_length(T, self.block), bucket_length(Tk, self.block)
+        Tp = bucket_length(T, self.block)
         q = q.reshape(B, n_kv * g, T, hd)
         if Tp != T:
-            q = torch.nn.functional.pad(q, (0, 0, 0, Tp - T))
-        if Tkp != Tk:
-            k, v = (torch.nn.functional.pad(x, (0, 0, 0, Tkp - Tk)) for x in (k, v))
-        if qpos is None:
-            bm = self.block_mask(Tp, q.device)
-        else:  # padded query rows repeat the last position: they see real keys only, and are cut off
-            bm = qpos_block_mask(torch.cat([qpos, qpos[:, -1:].expand(B, Tp - T)], 1) if Tp != T else qpos, Tkp, self.block)
-        kw = dict(block_mask=bm, scale=scale, enable_gqa=g > 1)
+            pad = (0, 0, 0, Tp - T)
+            q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
+        kw = dict(block_mask=self.block_mask(Tp, q.device), scale=scale, enable_gqa=g > 1)
         fn = self._fn(q.device)
         if hasattr(fa, "AuxRequest"):
             out, aux = fn(q, k, v, return_aux=fa.AuxRequest(lse=True), **kw)

@@ -103,5 +103,5 @@ class MLAAttention(nn.Module):
     def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
         """Training-time test (see `model.ttt_attention`) on the expanded keys and values."""
         q, latent = self._project(x, cos, sin)
-        k, v = self._expand(latent)
-        return self._out(ttt_attention(q, k, v, ctx_kv, diag_kv, kernel, self.scale, rows)), (k, v)
+        o, kv = ttt_attention(q, *self._expand(latent), ctx_kv, diag_kv, kernel, self.scale, rows)
+        return self._out(o), kv

@@ -229,32 +229,31 @@ class Attention(nn.Module):
 
     def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
         """Training-time test (see `ttt_attention`).  Returns (output, own (K, V))."""
-        qg, k, v = self._qkv(x, cos, sin)
-        return self._out(ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, self.scale, rows)), (k, v)
+        o, kv = ttt_attention(*self._qkv(x, cos, sin), ctx_kv, diag_kv, kernel, self.scale, rows)
+        return self._out(o), kv
 
 
 def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float, rows=None):
-    """Training-time-test attention, shared by the attention kinds.  Step 0 (ctx_kv None): whole
-    sequences qg [B, kv, g, T, d_qk], k [B, kv, T, d_qk], v [B, kv, T, d_v] (d_v may differ: MLA),
-    causal over their own keys.  Step j > 0: the step's rows flat (qg [1, kv, g, N, d], k/v
-    [1, kv, N, d]); `rows` (train/compaction.py StepRows) lays them out per sample, where row t sees
-    step 0's keys `ctx_kv` ([B, kv, T, d]) 0..t and key t of each earlier step (`diag_kv`, flat as
-    they were computed) and of its own -- the diagonal."""
+    """Training-time-test attention, shared by the attention kinds, in the sequences' [B, T] layout:
+    qg [B, kv, g, T, d_qk], k [B, kv, T, d_qk], v [B, kv, T, d_v] (d_v may differ: MLA).  Step 0
+    (ctx_kv None) attends causally to its own keys; step j > 0 to step 0's keys `ctx_kv` causally and,
+    at query t, to key t of each of `diag_kv` and of its own.  A compacted step (`rows`,
+    train/compaction.py StepRows) comes as its rows ([1, .., N, d]), is placed at their positions for
+    the attention and read back there.  Returns (output, own (K, V) in the [B, T] layout)."""
+    if rows is not None:
+        B = ctx_kv[0].shape[0]
+        qg, k, v = rows.padded(qg, B), rows.padded(k, B), rows.padded(v, B)
+    T = qg.shape[3]
     if ctx_kv is None:
-        T = qg.shape[3]
-        if kernel is None:
-            return eager_attention(qg, k, v, torch.ones(T, T, dtype=torch.bool, device=qg.device).tril()[None], (), scale)
-        return kernel(qg, k, v, scale)[0]
-    q = rows.padded(qg)
-    diag = [(rows.padded(dk, of), rows.padded(dv, of)) for (dk, dv), of in zip(diag_kv, rows.diag)]
-    diag.append((rows.padded(k), rows.padded(v)))
-    if kernel is None:
-        from eaglenest.draft.kernels import visible_keys
-
-        out = eager_attention(q, *ctx_kv, visible_keys(rows.qpos, ctx_kv[0].shape[2])[:, 0], diag, scale)
+        keys, diag = (k, v), list(diag_kv)
     else:
-        out = merge_diagonal(*kernel(q, *ctx_kv, scale, rows.qpos), q, diag, scale)
-    return rows.unpadded(out)
+        keys, diag = ctx_kv, [*diag_kv, (k, v)]
+    if kernel is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=qg.device).tril()[None]
+        out = eager_attention(qg, *keys, causal, diag, scale)
+    else:
+        out = merge_diagonal(*kernel(qg, *keys, scale), qg, diag, scale)
+    return (out if rows is None else rows.unpadded(out)), (k, v)
 
 
 # --- the decoding cache: whatever the attention keeps per position, as tensors [B, heads, T, d] ---

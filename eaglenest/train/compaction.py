@@ -7,10 +7,16 @@ step j > 0.  So step 0 computes every row (its keys are every later row's contex
 only the rows with a loss at step j or later: the same losses, gradients and statistics as
 computing every row, with the rows that carry nothing (the prompt, padding, the tail) skipped.
 
-Steps j > 0 hold their rows flat ([1, N_j, ..]: every row-wise op runs on N_j rows, no padding);
-their attention runs per sample on a padded [B, max_b N_jb] layout (`StepRows.padded`) whose
-query r sees step 0's keys 0..qpos[b, r].  Everything here is index arithmetic on the CPU (built by
-the loader, off the training thread): the step itself needs no host sync.
+Steps j > 0 hold their rows flat ([1, N_j, ..]): every row-wise op (the projections, the MLP, the
+norms) runs on N_j rows.  Their attention runs in the sequences' own [B, T] layout (`StepRows.
+padded`: the rows scattered back to their positions, zeros elsewhere) with the causal kernel as
+step 0's, and its output is read back at the rows: a query sees exactly what it sees uncompacted.
+
+Row counts are rounded up to whole ROW_BUCKET rows by repeating a step's last row (a repeat's output
+goes nowhere: no loss, no later step, no key), so the matmuls see a few distinct shapes: oneDNN
+builds a kernel per new shape on the CPU (~5 ms each), which per-batch row counts would pay on every
+step.  Everything here is index arithmetic on the CPU (built by the loader, off the training thread):
+the step itself needs no host sync.
 """
 
 from __future__ import annotations
@@ -19,29 +25,36 @@ from dataclasses import dataclass, fields
 
 import torch
 
+ROW_BUCKET = 64
+
+
+def bucketed(n: int) -> int:
+    return -(-n // ROW_BUCKET) * ROW_BUCKET if n else 0
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [k] padded to n entries by repeating its last one."""
+    return x if x.numel() >= n else torch.cat([x, x[-1:].expand(n - x.numel())])
+
 
 @dataclass
 class StepRows:
-    """The rows of one step j > 0 (flat ids b*T + t, ascending) and how its attention lays them out."""
+    """The rows of one step j > 0 (flat ids b*T + t, ascending, then repeats of the last) and their places."""
 
     idx: torch.Tensor  # [N] flat row ids
     tok: torch.Tensor  # [N] flat id of the token each row reads (x_{t+1+j}; B*T: past its sample's end, reads padding)
     prev: torch.Tensor  # [N] position of each row among step j-1's rows
     loss: torch.Tensor  # [L] positions among this step's rows of those with a loss at step j
-    pad: torch.Tensor  # [B * M] position among this step's rows of each padded slot (padding repeats a row)
-    qpos: torch.Tensor  # [B, M] sequence position t of each padded slot: it sees step 0's keys 0..t
-    unpad: torch.Tensor  # [N] padded slot of each row
-    diag: list[torch.Tensor]  # per step i = 1..j-1: [B * M] position among step i's rows of each slot's row
+    slots: torch.Tensor  # [B*T] position among this step's rows of each sequence position (N: not computed)
 
-    def padded(self, x: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor:
-        """x [1, .., N_i, d] (rows on dim -2) -> [B, .., M, d], by `of` (default: this step's own rows)."""
-        B, M = self.qpos.shape
-        y = x.index_select(-2, self.pad if of is None else of)  # [1, .., B*M, d]
-        return y.unflatten(-2, (B, M)).movedim(-3, 0).squeeze(1)
+    def padded(self, x: torch.Tensor, B: int) -> torch.Tensor:
+        """x [1, .., N, d] (rows on dim -2) -> [B, .., T, d]: each row at its position, zeros elsewhere."""
+        z = torch.cat([x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])], dim=-2)
+        return z.index_select(-2, self.slots).unflatten(-2, (B, -1)).movedim(-3, 0).squeeze(1)
 
     def unpadded(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, .., M, d] -> [1, .., N, d]."""
-        return x.movedim(0, -3).flatten(-3, -2).index_select(-2, self.unpad).unsqueeze(0)
+        """x [B, .., T, d] -> [1, .., N, d]: the values at this step's rows."""
+        return x.movedim(0, -3).flatten(-3, -2).index_select(-2, self.idx).unsqueeze(0)
 
     @property
     def rows(self) -> int:
@@ -54,7 +67,7 @@ class RowPlan:
     T: int
     loss0: torch.Tensor  # [L0] flat ids of step 0's rows with a loss
     steps: list[StepRows]  # steps 1..ttt-1 (fewer when a step has no row left: later ones have none either)
-    teacher_rows: torch.Tensor  # [Q] flat ids q whose teacher distribution P_q some step reads (m_{q+1} = 1)
+    teacher_rows: torch.Tensor  # [Q] flat ids q whose teacher distribution P_q some step reads (m_{q+1} = 1), bucketed
     teacher_index: torch.Tensor  # [B*T] position of flat id q among teacher_rows (-1: not read)
     step_of_loss: torch.Tensor  # [sum_j L_j] the step of each loss row, in step order (for per-step sums)
     loss_teacher: torch.Tensor  # [sum_j L_j] flat teacher id (b*T + t+1+j) of each loss row, in step order
@@ -62,8 +75,7 @@ class RowPlan:
 
     def map(self, fn) -> "RowPlan":
         """The plan with `fn` applied to every tensor (a device move, pinning)."""
-        steps = [StepRows(*(([fn(x) for x in getattr(s, f.name)] if f.name == "diag" else fn(getattr(s, f.name)))
-                            for f in fields(StepRows))) for s in self.steps]
+        steps = [StepRows(*(fn(getattr(s, f.name)) for f in fields(StepRows))) for s in self.steps]
         return RowPlan(self.B, self.T, fn(self.loss0), steps, fn(self.teacher_rows), fn(self.teacher_index),
                        fn(self.step_of_loss), fn(self.loss_teacher), self.counts)
 
@@ -97,35 +109,23 @@ def plan_rows(loss_mask: torch.Tensor, ttt: int, compact: bool = True) -> RowPla
         later = later | has[j]
         keep[j] = later.clone() if compact else torch.ones(B * T, dtype=torch.bool)
     pos_prev = ar  # step 0: every row, in flat order
-    pos_of = {}  # step i -> [B*T] position among its rows (-1: not computed)
     steps, loss_ids, step_ids = [], [ar[has[0]]], [torch.zeros(int(has[0].sum()), dtype=torch.long)]
     for j in range(1, ttt):
-        idx = ar[keep[j]]
-        if idx.numel() == 0:
+        real = ar[keep[j]]
+        if real.numel() == 0:
             break
-        pos = torch.full((B * T,), -1, dtype=torch.long)
-        pos[idx] = torch.arange(idx.numel())
-        pos_of[j] = pos
+        idx = _pad_rows(real, bucketed(real.numel()))
+        pos = torch.full((B * T,), idx.numel(), dtype=torch.long)  # N (a zero row in `padded`): not computed
+        pos[real] = torch.arange(real.numel())
         lid = ar[has[j]]
         loss_ids.append(lid)
         step_ids.append(torch.full((lid.numel(),), j, dtype=torch.long))
-        # the attention's padded layout: sample b's rows in slots 0..n_b-1, padding repeats its last row
-        b_of = idx // T
-        n_b = torch.bincount(b_of, minlength=B)
-        M = int(n_b.max())
-        start = torch.cumsum(n_b, 0) - n_b
-        slot = torch.arange(M)[None, :].clamp(max=(n_b - 1).clamp(min=0)[:, None])  # [B, M]
-        pad = (start[:, None] + slot).clamp(max=idx.numel() - 1)
-        rows_pad = idx[pad]  # flat id of each slot's row (an empty sample points at some row: its slots are dropped)
-        qpos = torch.where(n_b[:, None] > 0, rows_pad % T, torch.zeros_like(rows_pad))
-        unpad = b_of * M + (torch.arange(idx.numel()) - start[b_of])
-        diag = [pos_of[i][rows_pad.reshape(-1)] for i in range(1, j)]
         tok = torch.where(idx % T + 1 + j < T, idx + 1 + j, B * T)  # only the uncompacted reference reads past the end
-        steps.append(StepRows(idx, tok, pos_prev[idx], pos[lid], pad.reshape(-1), qpos, unpad, diag))
+        steps.append(StepRows(idx, tok, pos_prev[idx], pos[lid], pos))
         pos_prev = pos
-    teacher_rows = ar[_shifted(mask, 1).reshape(-1)]
+    q = ar[_shifted(mask, 1).reshape(-1)]
     teacher_index = torch.full((B * T,), -1, dtype=torch.long)
-    teacher_index[teacher_rows] = torch.arange(teacher_rows.numel())
+    teacher_index[q] = torch.arange(q.numel())
     loss_teacher = torch.cat([lid + 1 + j for j, lid in enumerate(loss_ids)])
-    return RowPlan(B, T, loss_ids[0], steps, teacher_rows, teacher_index, torch.cat(step_ids), loss_teacher,
+    return RowPlan(B, T, loss_ids[0], steps, _pad_rows(q, bucketed(q.numel())), teacher_index, torch.cat(step_ids), loss_teacher,
                    [int(x.numel()) for x in loss_ids] + [0] * (ttt - len(loss_ids)))

@@ -13,6 +13,7 @@ import torch
 
 from eaglenest.capture.run import plan_batches
 from eaglenest.features import FeatureStore
+from eaglenest.train.compaction import bucketed
 
 
 def is_held_out(sample_id: str, fraction: float) -> bool:
@@ -52,7 +53,8 @@ def collate_items(items: list[dict], max_len: int | None = None) -> Batch:
     """Samples (input_ids, loss_mask, aux_hidden_states, last_hidden_state) -> one right-padded batch."""
     if max_len:
         items = [{k: (v[:max_len] if torch.is_tensor(v) else v) for k, v in it.items()} for it in items]
-    T = max(it["input_ids"].shape[0] for it in items)
+    # right-padded to whole row buckets: the step's matmuls then see few distinct shapes (train/compaction.py)
+    T = bucketed(max(it["input_ids"].shape[0] for it in items))
     B = len(items)
     H3 = items[0]["aux_hidden_states"].shape[1]
     H = items[0]["last_hidden_state"].shape[1]

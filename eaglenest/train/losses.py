@@ -382,8 +382,8 @@ class _HeadLoss(torch.autograd.Function):
                 alpha[s:e], pt_arg[s:e] = al, pa
             if need:  # dz is per unit coefficient: the rows' coefficients scale [c, H] tensors, not [c, Vd]
                 cc = coef[s:e].to(h.dtype)[:, None]
-                if grad_h:
-                    torch.matmul(dz, w, out=gh[s:e]).mul_(cc)
+                if grad_h:  # (W^T dz^T)^T: oneDNN runs it ~2x faster than dz W when the reduction is the vocabulary
+                    torch.mul((w.T @ dz.T).T, cc, out=gh[s:e])
                 if grad_w:
                     hc = h[s:e] * cc
                     if gw is None:

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from eaglenest.draft.kernels import causal_kernel
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.models.target import final_norm, soft_cap
-from eaglenest.train.compaction import RowPlan, plan_rows
+from eaglenest.train.compaction import RowPlan, bucketed, plan_rows
 from eaglenest.train.losses import PROBS_CACHE_BYTES, LossSpec, SoftTarget, TeacherRows, head_loss
 
 
@@ -199,14 +199,22 @@ def ttt_forward(
         diag.append(kv)
         outs.append(h[0].index_select(0, rows.loss))
 
-    # the head and the loss of every step's rows with a loss, in one pass
+    # the head and the loss of every step's rows with a loss, in one pass (rows rounded up to a bucket:
+    # repeats of the last one, with no weight, cut off after)
     hs = torch.cat(outs)
+    R = hs.shape[0]
     acc = torch.promote_types(hs.dtype, torch.float32)
     targ = teacher.argmax.index_select(0, trows)
     w = draft.t2d[targ].to(acc)  # no loss where the teacher's argmax is outside the draft vocabulary
     step_w = torch.tensor([step_decay**j for j in range(ttt)], dtype=acc, device=dev) / denom.to(dev, acc).clamp_min(1.0)
-    total, per_row, arg, alpha, p_arg = head_loss(draft.norm(hs), draft.lm_head.weight, SoftTarget(teacher, trows, loss),
-                                                  w * step_w.index_select(0, plan.step_of_loss), chunk, want_alpha)
+    coef = w * step_w.index_select(0, plan.step_of_loss)
+    n = bucketed(R) - R
+    if n and R:
+        hs, trows_b, coef = torch.cat([hs, hs[-1:].expand(n, -1)]), torch.cat([trows, trows[-1:].expand(n)]), torch.cat([coef, coef.new_zeros(n)])
+    else:
+        trows_b = trows
+    total, per_row, arg, alpha, p_arg = head_loss(draft.norm(hs), draft.lm_head.weight, SoftTarget(teacher, trows_b, loss), coef, chunk, want_alpha)
+    per_row, arg, alpha, p_arg = per_row[:R], arg[:R], alpha[:R], p_arg[:R]
     cols = [per_row * w, (draft.to_target_ids(arg) == targ).to(per_row.dtype), w]
     alpha_stats = want_alpha or loss.needs_alpha
     if alpha_stats:
