@@ -68,7 +68,7 @@ def train_ab(r):
     s = r["summary"]
     return ("CPU training step vs the trainer before row compaction, the fused head + loss and bf16 parameters",
             f"**{s['speedup_median']:.2f}x** faster, peak RSS {s['peak_rss_gib']['new']:.2f} vs {s['peak_rss_gib']['base']:.2f} GiB, "
-            f"losses {100 * s['loss_rel_diff_mean']:.2f} % apart",
+            f"held-out accuracy within {s['eval_acc_max_abs_diff']:.3f}",
             f"the demo recipe, {r['steps']} steps × {r['rounds']} paired rounds, {cpu(r)} ({r['cpu_kind']})")
 
 

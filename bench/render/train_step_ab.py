@@ -9,13 +9,15 @@ FILES = ["train_step_ab_demo_amx.json", "train_step_ab_long_amx.json"]
 
 
 def row(r: dict) -> str:
-    s, d = r["summary"], r["data"]
+    s, d, t = r["summary"], r["data"], r["tolerance"]
     acc = s["eval_acc"]
+    dn, dc = s["loss_divergence_from_base"]["new"], s["loss_divergence_from_base"]["control"]
     return (f"| {r['recipe']} ({d['conversations']} conversations of at most {d['max_length']:,} tokens, TTT "
             f"{r['train_flags'][r['train_flags'].index('--ttt-steps') + 1]}, {r['train_flags'][r['train_flags'].index('--dtype') + 1]}) | "
             f"{s['step_s_median']['base']:.3f} → {s['step_s_median']['new']:.3f} s | **{s['speedup_median']:.2f}x** "
             f"({seq(s['speedup_per_round'])}) | {s['peak_rss_gib']['base']:.2f} → {s['peak_rss_gib']['new']:.2f} GiB | "
-            f"{100 * s['loss_rel_diff_mean']:.2f} % mean, {100 * s['loss_rel_diff_max']:.2f} % max | "
+            f"{100 * dn['first_steps_max']:.2f} % over the first {t['first_steps']} steps; {100 * dn['window_max']:.1f} % "
+            f"(control {100 * dc['window_max']:.1f} %) | "
             f"{seq(acc['base'], 3)} → {seq(acc['new'], 3)} |")
 
 
@@ -26,7 +28,9 @@ def render(results: dict[str, dict]) -> str:
         f"The training step of `eaglenest train` at commit {r['arms']['new']['commit'][:7]} vs the commit before this work "
         f"({r['arms']['base']['commit'][:7]}), paired: fresh processes in alternating order, {r['rounds']} rounds, each the "
         f"whole run of {r['steps']} optimizer steps on real SmolLM2 features, step time the median from step {r['timed_from_step']}, "
-        f"on {cpu(r)} ({r['cpu_kind']}); losses compared step by step, held-out accuracy per TTT position after the last step "
-        f"(`bench/results/train_step_ab_*.json`):", "",
+        f"on {cpu(r)} ({r['cpu_kind']}). Losses: the largest relative difference from the base run, step by step over "
+        f"the first steps, then of {r['tolerance']['window']}-step means over the run, beside a control run of the base "
+        f"commit with another attention kernel (`{' '.join(r['arms']['control']['extra_flags'])}`: the same function, "
+        f"another rounding order); held-out accuracy per TTT position after the last step (`bench/results/train_step_ab_*.json`):", "",
         "| recipe | step time | speedup (per round) | peak RSS | losses apart | held-out accuracy |",
         "|---|---|---|---|---|---|", *[row(x) for x in rs]])
