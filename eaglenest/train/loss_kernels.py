@@ -25,6 +25,19 @@ BLOCK = 1024
 
 
 @triton.jit
+def _online_max_sum(z, ok, off, mz, sz, best, bidx):
+    """One block of a row's logits into its running max, sum of exp (rescaled as the max grows) and argmax."""
+    bm = tl.max(z, axis=0)
+    ba = tl.argmax(z, axis=0)
+    take = bm > best  # strictly: the first maximum wins, as torch's max
+    bidx = tl.where(take, off + ba, bidx)
+    best = tl.where(take, bm, best)
+    m_new = tl.maximum(mz, bm)
+    sz = sz * tl.exp(mz - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), axis=0)
+    return m_new, sz, best, bidx
+
+
+@triton.jit
 def _soft_kernel(z_ptr, z_stride, t_ptr, t_stride, rows_ptr, loss_ptr, arg_ptr, w_ce, w_kl, cap, V: tl.constexpr,
                  PROBS: tl.constexpr, SOFTCAP: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -44,14 +57,7 @@ def _soft_kernel(z_ptr, z_stride, t_ptr, t_stride, rows_ptr, loss_ptr, arg_ptr, 
         cols = off + tl.arange(0, BLOCK)
         ok = cols < V
         z = tl.load(z_row + cols, mask=ok, other=-float("inf")).to(tl.float32)
-        bm = tl.max(z, axis=0)
-        ba = tl.argmax(z, axis=0)
-        take = bm > best  # strictly: the first maximum wins, as torch's max
-        bidx = tl.where(take, off + ba, bidx)
-        best = tl.where(take, bm, best)
-        m_new = tl.maximum(mz, bm)
-        sz = sz * tl.exp(mz - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), axis=0)
-        mz = m_new
+        mz, sz, best, bidx = _online_max_sum(z, ok, off, mz, sz, best, bidx)
         zs = tl.where(ok, z, 0.0)
         if PROBS:
             ph = tl.load(t_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -108,14 +114,7 @@ def _hard_kernel(z_ptr, z_stride, lab_ptr, loss_ptr, arg_ptr, V: tl.constexpr, G
         cols = off + tl.arange(0, BLOCK)
         ok = cols < V
         z = tl.load(z_row + cols, mask=ok, other=-float("inf")).to(tl.float32)
-        bm = tl.max(z, axis=0)
-        ba = tl.argmax(z, axis=0)
-        take = bm > best
-        bidx = tl.where(take, off + ba, bidx)
-        best = tl.where(take, bm, best)
-        m_new = tl.maximum(mz, bm)
-        sz = sz * tl.exp(mz - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), axis=0)
-        mz = m_new
+        mz, sz, best, bidx = _online_max_sum(z, ok, off, mz, sz, best, bidx)
     lse_z = mz + tl.log(sz)
     zl = tl.load(z_row + lab).to(tl.float32)
     tl.store(loss_ptr + i, lse_z - zl)
