@@ -33,9 +33,10 @@ def main() -> int:
     import torch.nn.functional as F
 
     from common import write_result
-    from eaglenest.evaluate import exact, gemv
+    from eaglenest.evaluate import exact
     from eaglenest.models.fetch import fetch
     from eaglenest.models.target import load_target
+    from eaglenest.native import gemv
 
     torch.set_num_threads(1)
     lib, why = gemv.load()

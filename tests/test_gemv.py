@@ -1,4 +1,4 @@
-"""The row-invariant bf16 matrix-vector kernel (evaluate/gemv.py) and its place in exact verification.
+"""The row-invariant bf16 matrix-vector kernel (native/gemv.py) and its place in exact verification.
 
 On x86-64 Linux with a C compiler, on any CPU with AVX512-BF16 or AVX2 + FMA (its second build: an
 AVX2-only AMD EPYC, most laptops), the kernel must build and run; elsewhere these tests skip, saying
@@ -18,8 +18,9 @@ from cpu_kind import bf16_matrix_cpu, gemv_cpu
 from helpers_eval import load_tiny, plain_greedy, random_draft
 
 from eaglenest import EaglenestError
-from eaglenest.evaluate import exact, gemv
+from eaglenest.evaluate import exact
 from eaglenest.evaluate.specdec import SpecDecoder
+from eaglenest.native import gemv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -185,7 +186,7 @@ def test_the_kernel_cache_is_private_and_a_binary_is_loaded_only_as_built(own_ca
     from eaglenest.utils import sha256_file
 
     # built in another process: dlopen would hand this one a library it loaded before by the same name
-    subprocess.run([sys.executable, "-c", "from eaglenest.evaluate import gemv; assert gemv.load()[0] is not None"], check=True)
+    subprocess.run([sys.executable, "-c", "from eaglenest.native import gemv; assert gemv.load()[0] is not None"], check=True)
     st = own_cache.stat()
     assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.getuid()
     lib, rec = _built(own_cache)

@@ -18,7 +18,7 @@ So the property is probed at run time, on this machine, with this thread count, 
 verification forward is made exact where it is not:
 
   0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every bf16 Linear
-     runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
+     runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (native/gemv.py), row-invariant by
      construction and faster than torch's bf16 F.linear for these row counts
      (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel.  Longer
      forwards (prompt prefills, shared by both decoders) stay in a GEMM: torch's bf16 one, or where
@@ -59,7 +59,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eaglenest.evaluate import gemv
+from eaglenest.native import gemv
 
 NAME = "eaglenest_rowwise"  # the attention implementation name registered with transformers
 PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
@@ -376,7 +376,7 @@ def probe_end_to_end(model, rows: int, topk: int = 1, trials: int = 2, prompt_le
 
 
 def install_gemv(model, max_rows: int, linears: str) -> dict:
-    """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (gemv.py) for forwards of
+    """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (native/gemv.py) for forwards of
     1..max_rows rows -- plain decoding and verification then run the same per-row arithmetic --
     where `linears` asks for it ('auto': where it can run, for verifications of at most
     GEMV_AUTO_MAX_ROWS[its build] rows; 'kernel': required; 'torch': never).
