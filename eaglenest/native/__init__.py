@@ -2,6 +2,6 @@
 private cache, checked against its build record before it is loaded, and called through ctypes.
 
 gemv.py (+ gemv.c): the row-invariant bf16 matrix-vector kernel that eval's verification installs
-(evaluate/exact.py).  Public entry: `gemv.load()` (the library, or why it cannot run here)
+(evaluate/rowwise/linears.py).  Public entry: `gemv.load()` (the library, or why it cannot run here)
 and `gemv.linear(x, weight, bias)`.
 """
