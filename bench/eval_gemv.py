@@ -92,7 +92,7 @@ def main() -> int:
         "texts_identical": sum(x == y for x, y in zip(outputs.get("torch", []), outputs.get("kernel", []))),
         "texts_compared": min((len(o) for o in outputs.values()), default=0),
     }
-    from eaglenest.evaluate.gemv import isa
+    from eaglenest.native.gemv import isa
 
     result["isa"] = isa()  # the AVX512-BF16 build's file keeps its first name
     write_result("eval_gemv_cpu" if result["isa"] == "avx512-bf16" else f"eval_gemv_cpu_{result['isa']}", result)

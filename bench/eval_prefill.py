@@ -27,7 +27,7 @@ def main() -> int:
     from common import write_result
     from eval_gemv import alternate, parse_args
 
-    from eaglenest.evaluate.gemv import isa
+    from eaglenest.native.gemv import isa
     from eaglenest.utils import cpu_has_fast_bf16
 
     a = parse_args(__doc__, 16)

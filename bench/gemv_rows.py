@@ -33,9 +33,10 @@ def main() -> int:
     import torch.nn.functional as F
 
     from common import write_result
-    from eaglenest.evaluate import exact, gemv
+    from eaglenest.evaluate.rowwise.linears import GEMV_AUTO_MAX_ROWS
     from eaglenest.models.fetch import fetch
     from eaglenest.models.target import load_target
+    from eaglenest.native import gemv
 
     torch.set_num_threads(1)
     lib, why = gemv.load()
@@ -78,7 +79,7 @@ def main() -> int:
         "linears": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights), "reps": a.reps,
         "ms_per_forward": table,
         "kernel_faster_than_torch_batched_up_to": max((M for M in faster if all(m in faster for m in rows if m <= M)), default=0),
-        "auto_max_rows": exact.GEMV_AUTO_MAX_ROWS[isa],
+        "auto_max_rows": GEMV_AUTO_MAX_ROWS[isa],
     })
     return 0
 

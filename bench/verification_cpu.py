@@ -63,27 +63,29 @@ def main() -> int:
     import torch
 
     from common import write_result
-    from eaglenest.evaluate import exact
     from eaglenest.evaluate.mtbench import load_bench
+    from eaglenest.evaluate.rowwise.attention import NAME
+    from eaglenest.evaluate.rowwise.linears import set_rowwise
     from eaglenest.evaluate.run import chat_prompt_ids, load_draft_for_target
     from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, _new_cache
+    from eaglenest.evaluate.verification import linear_groups, prepare
     from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
 
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
     tok = load_tokenizer("smollm2")
     target = load_target("smollm2", "bf16", "cpu")
-    verification = exact.prepare(target, rows=ROWS, topk=1, attention="rowwise")
+    verification = prepare(target, rows=ROWS, topk=1, attention="rowwise")
     modules = dict(target.named_modules())
-    groups = exact.linear_groups(target)
+    groups = linear_groups(target)
     flagged = {tuple(r["shape"]) for r in verification["rowwise"]["linears"]}
 
     def use(setting: str) -> None:
-        target.set_attn_implementation("sdpa" if setting == "model" else exact.NAME)
+        target.set_attn_implementation("sdpa" if setting == "model" else NAME)
         for (shape, *_), names in groups.items():
             on = setting == "all_linears" or (setting == "probe" and shape in flagged)
             for n in names:
-                exact.set_rowwise(modules[n], ROWS if on else None)
+                set_rowwise(modules[n], ROWS if on else None)
                 if setting == "pad" and shape in flagged:
                     modules[n].forward = functools.partial(_padded, modules[n])
 

@@ -191,7 +191,7 @@ def _eval_workers(n: int, device: str) -> int:
 
 
 def _table(r: dict) -> str:
-    from eaglenest.evaluate.exact import summary as verification_summary
+    from eaglenest.evaluate.verification import summary as verification_summary
     from eaglenest.evaluate.run import greedy_summary
 
     d = r["demo"]

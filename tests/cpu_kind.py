@@ -1,11 +1,10 @@
 """What tests need to know about this machine: its CPU's flags, read from /proc/cpuinfo (never a
 model string, never a list of CPU kinds), and the one rule for tests that rely on exact
-verification: they run wherever the set-up probe (evaluate/exact.py `prepare`, the probe eval runs)
-finds verification bit-identical to plain decoding, and skip, with the probe's reason, only where it
-does not.  A product that broke exactness everywhere cannot hide behind those skips: that the
-probe's own remedy makes a batch-dependent kernel exact is asserted on every CPU
-(test_eval_specdec.py, test_probe_finds_a_batch_dependent_linear_and_rowwise_restores_identity), and
-the gemv kernel's verification wherever it runs (test_gemv.py)."""
+verification: they run wherever the set-up probe (evaluate/verification.py `prepare`, the probe eval
+runs) finds verification bit-identical to plain decoding, and skip, with the probe's reason, only
+where it does not.  A product that broke exactness everywhere cannot hide behind those skips: that
+the probe's own remedy makes a batch-dependent kernel exact is asserted on every CPU
+(test_verification.py), and the gemv kernel's verification wherever it runs (test_rowwise_linears.py)."""
 
 from __future__ import annotations
 

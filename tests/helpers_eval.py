@@ -1,4 +1,5 @@
-"""Builders shared by the evaluation tests: a tiny target, a random draft for it, rigged proposals."""
+"""Builders shared by the evaluation tests: a tiny target, a random draft for it, rigged proposals, a
+batch-dependent F.linear, and the checks of exact verification (chunk vs one by one, spec == plain)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,53 @@ def oracle_tree(reference: list[int], n_prompt: int, steps: int, vocab: int = 49
         return Proposal(tokens, parents, depths)
 
     return propose
+
+
+def batch_dependent_linear(shape: tuple[int, int]):
+    """F.linear as a CPU whose batched kernel for `shape` splits K in two and adds the halves in the
+    output dtype (what some blocked GEMMs do), while one-row calls go straight through."""
+    native = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        if x.numel() // x.shape[-1] > 1 and tuple(w.shape) == shape:
+            h = x.shape[-1] // 2
+            return native(x[..., :h], w[:, :h], b) + native(x[..., h:], w[:, h:])
+        return native(x, w, b)
+
+    return linear
+
+
+def chunk_and_one_by_one(m, prompt: list[int], more: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of `more` fed after `prompt` one token at a time, and in one forward."""
+    from eaglenest.evaluate.specdec import _new_cache
+
+    prompt_t, more_t = torch.tensor([prompt]), torch.tensor([more])
+    with torch.inference_mode():
+        c1, ck = _new_cache(m), _new_cache(m)
+        m(input_ids=prompt_t, past_key_values=c1, use_cache=True)
+        m(input_ids=prompt_t, past_key_values=ck, use_cache=True)
+        one = torch.cat([m(input_ids=more_t[:, i : i + 1], past_key_values=c1, use_cache=True).logits for i in range(len(more))], 1)
+        chunk = m(input_ids=more_t, past_key_values=ck, use_cache=True).logits
+    return one, chunk
+
+
+def spec_equals_plain(m, prompts: list[list[int]], n_new: int, chain_only: bool = False) -> None:
+    """Greedy speculative decoding (a random draft, then an oracle one; chain, and tree unless
+    `chain_only`) gives plain greedy decoding's tokens on every prompt."""
+    from eaglenest.evaluate.specdec import SpecDecoder
+
+    d = random_draft(m, draft_vocab=4096)
+    for p in prompts:
+        ref = plain_greedy(m, p, n_new)
+        with SpecDecoder(m, d, set(), steps=3) as sd:
+            assert sd.generate(p, n_new).output_ids == ref
+            sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
+            r = sd.generate(p, n_new)
+            assert r.output_ids == ref and r.tau > 3
+        if chain_only:
+            continue
+        with SpecDecoder(m, d, set(), steps=3, topk=2, num_draft_tokens=7) as sd:
+            assert sd.generate(p, n_new).output_ids == ref
+            sd.propose = oracle_tree(p + ref, len(p), 3).__get__(sd)
+            r = sd.generate(p, n_new)
+            assert r.output_ids == ref and r.tau > 3

@@ -21,7 +21,7 @@ def test_demo_quick_end_to_end(quick_demo):
     # a random-init draft measured 1.00 on this benchmark and the quick draft ~1.14 (6 prompts,
     # 48 tokens; deterministic on CPU).  1.05 separates "learned something" from chance.
     assert r["tau"] > 1.05, r["tau"]
-    # the eval probed this machine's kernels (evaluate/exact.py) and made verification exact: the
+    # the eval probed this machine's kernels (evaluate/verification.py) and made verification exact: the
     # demo's claim "greedy output == plain greedy" must hold on every CPU, AMX or not
     v = r["verification"]
     assert v["attention"] == "rowwise" and v["dtype"] == "bfloat16" and v["exact"] is True, v

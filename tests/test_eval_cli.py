@@ -77,19 +77,13 @@ def test_eval_report_two_turns_limit(tiny_llama_dir, tiny_draft_dir, bench_file,
 
 def test_attention_default_is_device_aware(tiny_llama_dir, tiny_draft_dir, bench_file, tmp_path):
     """Row-wise verification is a CPU exactness device: `--attention auto` (the default) resolves to
-    it on a CPU and to the model's own attention on a GPU; either can be forced."""
+    it on a CPU and to the model's own attention on a GPU (test_verification.py); either can be forced."""
     from eaglenest.cli import build_parser
     from eaglenest.config import from_args
     from eaglenest.evaluate.config import EvalConfig
-    from eaglenest.evaluate.exact import resolve_attention
 
     a = build_parser().parse_args(["eval", "--model", "m", "--draft", "d", "--out", "o"])
     assert from_args(a, EvalConfig).attention == "auto"
-    assert resolve_attention("auto", "cpu") == "rowwise"
-    assert resolve_attention("auto", "cuda") == resolve_attention("auto", "cuda:1") == "model"
-    assert resolve_attention("rowwise", "cuda:0") == "rowwise" and resolve_attention("model", "cpu") == "model"
-    with pytest.raises(EaglenestError, match="--attention"):
-        resolve_attention("fast", "cpu")
     # forced to the model's own attention on a CPU: nothing row-wise, exactness only probed
     out = tmp_path / "model.json"
     assert _eval(tiny_llama_dir, tiny_draft_dir, out, "--bench", str(bench_file), "--limit", "1", "--attention", "model") == 0

@@ -1,23 +1,23 @@
 """Speculative decoding over the tiny random Llama: greedy equivalence, tau accounting, KV-cache
-cropping/gathering, the tree proposal and the draft cache against slow recomputations; the
-exact-verification probe (evaluate/exact.py) on a kernel made batch-dependent in-process.
+cropping/gathering, the tree proposal and the draft cache against slow recomputations.
 
-Greedy equivalence relies on exact.prepare's probe finding verification bit-identical to plain
+Greedy equivalence relies on verification.prepare's probe finding verification bit-identical to plain
 decoding on this machine: the exact_tiny / tiny_bf16_exact fixtures run their tests wherever it does,
 on any CPU, and skip with the probe's reason where it does not (tests/cpu_kind.py); that the probe's
-remedy restores exactness is asserted everywhere (test_probe_finds_a_batch_dependent_linear_...).
-Tests that compare with a tolerance use the model either way."""
+remedy restores exactness is asserted everywhere (test_verification.py).  Tests that compare with a
+tolerance use the model either way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from cpu_kind import amx_cpu, bf16_matrix_cpu, gemv_cpu, require_exact
-from helpers_eval import KINDS, load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft
+from helpers_eval import (KINDS, chunk_and_one_by_one, load_tiny, oracle_chain, oracle_tree, plain_greedy, random_draft,
+                          spec_equals_plain)
 
 from eaglenest.draft.model import cache_length
-from eaglenest.evaluate import exact
 from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+from eaglenest.evaluate.verification import prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,7 +45,7 @@ def test_cpu_flags_are_read_from_cpuinfo():
 @pytest.fixture(scope="module")
 def tiny_verified(tiny_llama_dir):
     m = load_tiny(tiny_llama_dir)  # fp32, re-drawn with a larger std: varied greedy outputs
-    return m, exact.prepare(m, rows=ROWS, topk=4)
+    return m, prepare(m, rows=ROWS, topk=4)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_num_draft_tokens_rules():
 def tiny_bf16_verified(tiny_llama_dir, request):
     """Both ways of computing the linears: the gemv kernel where it runs (auto), and torch's F.linear."""
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    return m, exact.prepare(m, rows=[4, 7], topk=2, linears=request.param)
+    return m, prepare(m, rows=[4, 7], topk=2, linears=request.param)
 
 
 @pytest.fixture
@@ -231,86 +231,12 @@ def tiny_bf16_exact(tiny_bf16_verified):
     return m
 
 
-def _chunk_and_one_by_one(m, more: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of `more` fed after a prompt one token at a time, and in one forward."""
-    from eaglenest.evaluate.specdec import _new_cache
-
-    prompt, more_t = torch.tensor([PROMPTS[3]]), torch.tensor([more])
-    with torch.inference_mode():
-        c1, ck = _new_cache(m), _new_cache(m)
-        m(input_ids=prompt, past_key_values=c1, use_cache=True)
-        m(input_ids=prompt, past_key_values=ck, use_cache=True)
-        one = torch.cat([m(input_ids=more_t[:, i : i + 1], past_key_values=c1, use_cache=True).logits for i in range(len(more))], 1)
-        chunk = m(input_ids=more_t, past_key_values=ck, use_cache=True).logits
-    return one, chunk
-
-
 def test_rowwise_verification_makes_chunks_bit_identical(tiny_bf16_exact):
     """Feeding 4 tokens at once gives the same logits bits as feeding them one by one."""
-    one, chunk = _chunk_and_one_by_one(tiny_bf16_exact, [700, 800, 900, 1000])
+    one, chunk = chunk_and_one_by_one(tiny_bf16_exact, PROMPTS[3], [700, 800, 900, 1000])
     assert torch.equal(one, chunk)
-
-
-def _spec_equals_plain(m, chain_only: bool = False) -> None:
-    d = random_draft(m, draft_vocab=4096)
-    for p in PROMPTS:
-        ref = plain_greedy(m, p, N_NEW)
-        with SpecDecoder(m, d, set(), steps=3) as sd:
-            assert sd.generate(p, N_NEW).output_ids == ref
-            sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
-            r = sd.generate(p, N_NEW)
-            assert r.output_ids == ref and r.tau > 3
-        if chain_only:
-            continue
-        with SpecDecoder(m, d, set(), steps=3, topk=2, num_draft_tokens=7) as sd:
-            assert sd.generate(p, N_NEW).output_ids == ref
-            sd.propose = oracle_tree(p + ref, len(p), 3).__get__(sd)
-            r = sd.generate(p, N_NEW)
-            assert r.output_ids == ref and r.tau > 3
 
 
 def test_bf16_spec_equals_plain_exactly(tiny_bf16_exact):
-    _spec_equals_plain(tiny_bf16_exact)
+    spec_equals_plain(tiny_bf16_exact, PROMPTS, N_NEW)
 
-
-def _batch_dependent_linear(shape: tuple[int, int]):
-    """F.linear as a CPU whose batched kernel for `shape` splits K in two and adds the halves in the
-    output dtype (what some blocked GEMMs do), while one-row calls go straight through."""
-    native = torch.nn.functional.linear
-
-    def linear(x, w, b=None):
-        if x.numel() // x.shape[-1] > 1 and tuple(w.shape) == shape:
-            h = x.shape[-1] // 2
-            return native(x[..., :h], w[:, :h], b) + native(x[..., h:], w[:, h:])
-        return native(x, w, b)
-
-    return linear
-
-
-def test_probe_finds_a_batch_dependent_linear_and_rowwise_restores_identity(tiny_llama_dir, monkeypatch):
-    """With down_proj's batched kernel made M-dependent in-process: the end-to-end probe sees a
-    verification forward differ from plain decoding, the per-shape probe names that shape, only
-    the shapes it found batch-dependent run row by row, and verification is bit-identical again."""
-    ref_model = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    down = tuple(ref_model.model.layers[0].mlp.down_proj.weight.shape)
-    monkeypatch.setattr(torch.nn.functional, "linear", _batch_dependent_linear(down))
-
-    exact.install_rowwise_attention(ref_model, 4)  # the previous exact path: attention only
-    before = exact.probe_end_to_end(ref_model, 4)
-    assert not before["exact"] and "differ" in before["first_difference"]
-    one, chunk = _chunk_and_one_by_one(ref_model, [700, 800, 900, 1000])
-    assert not torch.equal(one, chunk)
-
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=4, linears="torch")  # the probe of torch's kernels (the gemv kernel would bypass the patch)
-    probed = {tuple(x["shape"]): x for x in v["probe_result"]["linears"]}
-    flagged = {tuple(x["shape"]) for x in v["rowwise"]["linears"]}
-    assert down in flagged and sum(probed[down]["differing"].values()) > 1000, probed[down]
-    assert flagged == {s for s, x in probed.items() if any(x["differing"].values())}
-    for (shape, *_), names in exact.linear_groups(m).items():  # batched where the probe found it exact
-        for n in names:
-            assert ("forward" in m.get_submodule(n).__dict__) == (shape in flagged or v["rowwise"]["all_linears"]), n
-    assert v["exact"] is True, v["probe_result"]["end_to_end"]
-    one, chunk = _chunk_and_one_by_one(m, [700, 800, 900, 1000])
-    assert torch.equal(one, chunk)
-    _spec_equals_plain(m, chain_only=True)

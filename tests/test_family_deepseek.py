@@ -171,13 +171,13 @@ def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(family, d
     calls through F.linear on the tokens routed to each expert together, which no Linear-module fix
     reaches.  With the experts' batched calls made row-count dependent in-process (as some blocked
     GEMMs are), the end-to-end probe sees a verification forward differ from plain decoding unless
-    the blocks run token by token (exact.moe_blocks); with them it is bit-identical, and greedy
+    the blocks run token by token (rowwise/moe.py); with them it is bit-identical, and greedy
     speculative decoding equals plain greedy decoding (a random and an oracle draft)."""
-    from helpers_eval import diversify, oracle_chain, plain_greedy, random_draft
-    from test_eval_specdec import _batch_dependent_linear
+    from helpers_eval import batch_dependent_linear, diversify, oracle_chain, plain_greedy, random_draft
     from transformers import AutoModelForCausalLM
 
-    from eaglenest.evaluate import exact
+    from eaglenest.evaluate import verification
+    from eaglenest.evaluate.rowwise.moe import moe_blocks, set_block_rowwise
     from eaglenest.evaluate.specdec import SpecDecoder
 
     m = AutoModelForCausalLM.from_pretrained(dsv3, dtype=torch.float32) if family == "deepseek_v3" else _tiny_qwen3_moe()
@@ -186,23 +186,23 @@ def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(family, d
     assert expected, "the family's MoE class is not named in MOE_CLASSES"
     block = m.get_submodule(sorted(expected)[0])
     expert_shape = tuple(block.experts.gate_up_proj.shape[1:])
-    assert expert_shape not in {shape for shape, *_ in exact.linear_groups(m)}  # no Linear module shares it
-    monkeypatch.setattr(torch.nn.functional, "linear", _batch_dependent_linear(expert_shape))
+    assert expert_shape not in {shape for shape, *_ in verification.linear_groups(m)}  # no Linear module shares it
+    monkeypatch.setattr(torch.nn.functional, "linear", batch_dependent_linear(expert_shape))
 
-    v = exact.prepare(m, rows=4)
-    blocks = exact.moe_blocks(m)
+    v = verification.prepare(m, rows=4)
+    blocks = moe_blocks(m)
     assert set(blocks) == expected and v["rowwise"]["moe_blocks"]["modules"] == len(blocks)
-    assert f"MoE blocks token by token ({len(blocks)})" in exact.summary(v)
+    assert f"MoE blocks token by token ({len(blocks)})" in verification.summary(v)
     assert v["probe_result"]["end_to_end"][0]["exact"] is True, v["probe_result"]["end_to_end"]
     x = torch.randn(1, 4, m.config.hidden_size)
     assert torch.equal(block(x), torch.cat([block(x[:, i : i + 1]) for i in range(4)], dim=1))
 
     for b in blocks.values():  # the blocks as transformers runs them: the probe catches the difference
-        exact.set_block_rowwise(b, None)
-    assert not exact.probe_end_to_end(m, 4)["exact"]
+        set_block_rowwise(b, None)
+    assert not verification.probe_end_to_end(m, 4)["exact"]
     for b in blocks.values():
-        exact.set_block_rowwise(b, 4)
-    assert exact.probe_end_to_end(m, 4)["exact"]
+        set_block_rowwise(b, 4)
+    assert verification.probe_end_to_end(m, 4)["exact"]
 
     d = random_draft(m, draft_vocab=4096, **({"attention": "mla"} if family == "deepseek_v3" else {}))
     for p in ([1, 500, 600, 700, 800], [1, 9690, 198, 2683, 359, 253]):
@@ -213,21 +213,3 @@ def test_moe_blocks_verify_token_by_token_and_speculative_equals_plain(family, d
             sd.propose = oracle_chain(p + ref, len(p), 3).__get__(sd)
             r = sd.generate(p, 16)
             assert r.output_ids == ref and r.tau > 3
-
-
-def test_an_moe_block_returning_a_tuple_is_refused_by_name():
-    from eaglenest.evaluate import exact
-
-    class TupleMoe(torch.nn.Module):  # like transformers' Zaya / Ernie-4.5-VL blocks: (states, router output)
-        def __init__(self):
-            super().__init__()
-            self.gate, self.experts = torch.nn.Linear(4, 2), torch.nn.Identity()
-
-        def forward(self, x):
-            return x, self.gate(x)
-
-    b = TupleMoe()
-    exact.set_block_rowwise(b, 4)
-    assert b(torch.ones(1, 1, 4))[0].shape == (1, 1, 4)  # one row: the block as it is
-    with pytest.raises(EaglenestError, match="TupleMoe returns tuple"):
-        b(torch.ones(1, 3, 4))

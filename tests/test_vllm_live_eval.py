@@ -168,7 +168,7 @@ def test_tau_agreement_with_the_demo_draft(smollm2, quick_demo, tmp_path):
     agree within 5 %.  Measured here with the quick draft, 10 prompts x 64 tokens: fp32 vLLM 1.113,
     ours 1.113, 10/10 texts identical; bf16 vLLM 1.101, ours 1.137 (3.2 %), 2/10 texts identical
     (two bf16 implementations of the target greedy-decode different text).  On an AMD EPYC without
-    AMX, with our verification made exact by the probe (evaluate/exact.py; all Linears row-wise in
+    AMX, with our verification made exact by the probe (evaluate/verification.py; all Linears row-wise in
     fp32 there): fp32 1.103 both, 10/10 identical; bf16 vLLM 1.103, ours 1.114 (1.0 %), 1/10."""
     from eaglenest.evaluate.run import evaluate
 

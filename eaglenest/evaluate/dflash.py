@@ -1,6 +1,6 @@
 """DFlash speculative decoding: one draft forward proposes a whole block, the target verifies it.
 
-The round loop, the verification forward (with its exactness set-up, exact.py), the acceptance
+The round loop, the verification forward (with its exactness set-up, verification.py), the acceptance
 rules (greedy walk; temperature > 0: the standard min(1, p/q) rule with the residual) and the
 cache bookkeeping are `SpecDecoder`'s (specdec.py): a DFlash block is a chain of block_size - 1
 drafted tokens.  Only the two draft-side pieces differ:

@@ -22,7 +22,7 @@ from eaglenest.utils import keep_freed_heap
 DTYPES = ("bf16", "fp32", "fp16")
 # bf16 is the default: on this AVX-512-BF16 CPU a bf16 forward of 4 tokens costs ~1.1x one of 1
 # token (fp32: ~1.7x), which is what verification needs, and it is the dtype engines serve in.
-# Greedy equivalence is judged against a baseline in the same dtype; exact.py probes at set-up
+# Greedy equivalence is judged against a baseline in the same dtype; verification.py probes at set-up
 # whether verification is bit-identical to plain decoding on this machine and makes it so where not.
 DEFAULT_DTYPE = "bf16"
 
@@ -182,8 +182,8 @@ class HFEvaluator:
         that depend on what was loaded."""
         import torch
 
-        from eaglenest.evaluate import exact
         from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+        from eaglenest.evaluate.verification import prepare, resolve_attention
         from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
         from eaglenest.utils import resolve_device
 
@@ -196,9 +196,9 @@ class HFEvaluator:
         tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.dtype]
         self.tok = tok = load_tokenizer(a.model, a.trust_remote_code)
         target = load_target(a.model, a.dtype, device, a.trust_remote_code)
-        # verification forwards bit-identical to plain decoding where this machine allows (exact.py)
-        attention = exact.resolve_attention(getattr(a, "attention", "auto"), device)
-        verification = exact.prepare(target, rows=ndt, topk=a.topk, attention=attention, linears=getattr(a, "linears", "auto"))
+        # verification forwards bit-identical to plain decoding where this machine allows (verification.py)
+        attention = resolve_attention(getattr(a, "attention", "auto"), device)
+        verification = prepare(target, rows=ndt, topk=a.topk, attention=attention, linears=getattr(a, "linears", "auto"))
         if not verification["exact"]:
             print(f"eval: verification is not bit-identical to plain decoding on this machine "
                   f"({verification['probe_result']['end_to_end'][-1]['first_difference']}): greedy outputs may "
@@ -580,8 +580,8 @@ def format_table(r: dict) -> str:
         ("draft cost per round", f(r.get("draft_ms_per_round"), ".1f", " ms")),
         ("greedy output == baseline", greedy_summary(r)),
     ]
-    if "verification" in r:  # hf engine: how verification was made exact (or not), see exact.py
-        from eaglenest.evaluate.exact import summary
+    if "verification" in r:  # hf engine: how verification was made exact (or not), see verification.py
+        from eaglenest.evaluate.verification import summary
 
         rows.append(("verification", summary(r["verification"])))
     w = max(len(k) for k, _ in rows)

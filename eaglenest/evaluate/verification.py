@@ -1,4 +1,7 @@
-"""Exact verification: a k-token verification forward whose rows are bit-identical to plain decoding.
+"""Exact verification: the policy that makes a k-token verification forward's rows bit-identical to
+plain decoding -- what is probed, what is installed where the probe finds a difference, and the
+report's `verification` block.  The forwards it installs are in rowwise/ (attention, linears, MoE
+blocks); the gemv kernel is native/gemv.py.
 
 Why: greedy speculative decoding is only *provably* equal to plain greedy decoding if the target
 gives a token the same logits whether it is fed alone (plain decoding, one row per forward) or as
@@ -17,18 +20,16 @@ retired, so no figure of them is quoted here):
 So the property is probed at run time, on this machine, with this thread count, and the
 verification forward is made exact where it is not:
 
-  0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every bf16 Linear
-     runs forwards of 1..k rows in eaglenest's own matrix-vector kernel (gemv.py), row-invariant by
-     construction and faster than torch's bf16 F.linear for these row counts
+  0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every
+     bf16 Linear runs forwards of 1..k rows in eaglenest's own matrix-vector kernel, row-invariant
+     by construction and faster than torch's bf16 F.linear for these row counts
      (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel.  Longer
-     forwards (prompt prefills, shared by both decoders) stay in a GEMM: torch's bf16 one, or where
-     the CPU has no bf16 matrix instructions (torch emulates bf16 there) an fp32 GEMM of the same
-     bf16 values (`prefill_gemm`);
-
+     forwards (prompt prefills, shared by both decoders) stay in a GEMM (rowwise/linears.py
+     `prefill_gemm`);
   1. attention ("rowwise"): each query row of a verification forward is its own single-query
      SDPA call over exactly the keys it may see -- the call plain decoding makes for that token;
-     mixture-of-experts blocks (`moe_blocks`) likewise run each row alone: they group a forward's
-     tokens per expert, so batched rows are never computed as a lone token is;
+     mixture-of-experts blocks likewise run each row alone: they group a forward's tokens per
+     expert, so batched rows are never computed as a lone token is;
   2. per Linear weight shape, the model's own weights are fed random rows, batched (k rows: a
      verification forward always has exactly num_draft_tokens rows) against one row at a time; a
      shape that differs runs row by row (each row an M=1 call, what plain decoding does) in
@@ -52,24 +53,17 @@ end-to-end probe still runs and the report says whether verification was exact.
 
 from __future__ import annotations
 
-import functools
-import os
 import time
 
 import torch
-import torch.nn.functional as F
 
-from eaglenest.evaluate import gemv
+from eaglenest.evaluate.rowwise.attention import install_rowwise_attention
+from eaglenest.evaluate.rowwise.linears import install_gemv, set_rowwise
+from eaglenest.evaluate.rowwise.moe import moe_blocks, set_block_rowwise
 
-NAME = "eaglenest_rowwise"  # the attention implementation name registered with transformers
 PROBE_OUTPUTS = 1 << 18  # outputs compared per (Linear shape, row count) ...
 PROBE_TRIALS = 256  # ... in at most this many batched calls (narrow shapes: per-call overhead)
 ATTENTION_CHOICES = ("auto", "rowwise", "model")
-LINEAR_CHOICES = ("auto", "kernel", "torch")
-# `--linears auto` takes the gemv kernel for verifications of at most this many rows, per build: where
-# it stops beating torch's batched kernels (bench/results/gemv_rows_cpu_avx2.json; the avx512-bf16 limit's
-# file, gemv_rows_cpu.json, is retired until re-run: bench/report.py RETIRED)
-GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 64}
 
 
 def resolve_attention(choice: str, device: str) -> str:
@@ -84,183 +78,7 @@ def resolve_attention(choice: str, device: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# row-wise attention
-
-
-class RowwiseAttention:
-    """The attention of one model.  The per-row key selections of a mask are computed once per
-    forward (every layer gets the same mask object) and forgotten after it (`forget`)."""
-
-    def __init__(self, max_rows: int):
-        self.max_rows = max_rows
-        self._mask = None
-        self._rows: list = []
-
-    def forget(self, *_ignored) -> None:
-        self._mask, self._rows = None, []
-
-    def _row_keys(self, mask: torch.Tensor, q_len: int, kv_len: int) -> list:
-        """Per query row: a key-prefix length (int) or an index tensor of allowed keys."""
-        if self._mask is mask:
-            return self._rows
-        m = mask[0, 0] if mask.dim() == 4 else mask[0]
-        allowed = m if m.dtype == torch.bool else (m == 0)
-        allowed = allowed[-q_len:, :kv_len]
-        rows = []
-        for i in range(q_len):
-            idx = allowed[i].nonzero().flatten()
-            n = idx.numel()
-            rows.append(n if n and int(idx[-1]) == n - 1 else idx)  # a prefix: slice, no copy
-        self._mask, self._rows = mask, rows
-        return rows
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        """query [B, H, q, d], key/value [B, Hkv, L, d] -> ([B, q, H, d], None)."""
-        B, _, q_len, _ = query.shape
-        kv_len = key.shape[2]
-        gqa = query.shape[1] != key.shape[1]
-        if q_len == 1 and B == 1 and attention_mask is None:  # plain decoding: one row, every key (hot path)
-            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
-            return out.transpose(1, 2), None
-        if B != 1 or q_len > self.max_rows or kv_len == q_len:  # prefill / batches: ordinary SDPA
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        if attention_mask is None:  # causal, aligned to the end
-            rows = [kv_len - q_len + i + 1 for i in range(q_len)]
-        else:
-            rows = self._row_keys(attention_mask, q_len, kv_len)
-        outs = []
-        for i, sel in enumerate(rows):
-            if isinstance(sel, int):
-                k, v = key[:, :, :sel], value[:, :, :sel]
-            else:
-                k, v = key.index_select(2, sel), value.index_select(2, sel)
-            outs.append(F.scaled_dot_product_attention(query[:, :, i : i + 1], k, v, scale=scaling, enable_gqa=gqa))
-        out = torch.cat(outs, dim=2) if q_len > 1 else outs[0]
-        return out.transpose(1, 2).contiguous(), None
-
-
-def _dispatch(module, *args, **kwargs):
-    """The function registered with transformers (its registry is global): the work is done by the
-    RowwiseAttention that `install_rowwise_attention` attached to this model's attention modules."""
-    return module.eaglenest_rowwise(module, *args, **kwargs)
-
-
-def _attention_modules(model) -> list:
-    """The modules that call transformers' attention interface (LlamaAttention, Qwen2Attention, ...)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
-
-
-def install_rowwise_attention(model, max_rows: int) -> RowwiseAttention:
-    """Switch `model` to row-wise attention for forwards of up to `max_rows` query rows."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    mods = _attention_modules(model)
-    if not mods:
-        from eaglenest import EaglenestError
-
-        raise EaglenestError(f"{type(model).__name__}: no attention modules (*Attention) found for row-wise attention")
-    AttentionInterface.register(NAME, _dispatch)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # the usual causal masks
-    att = getattr(mods[0], "eaglenest_rowwise", None)
-    if att is None:  # first install on this model
-        att = RowwiseAttention(max_rows)
-        for m in mods:
-            m.eaglenest_rowwise = att
-        model.register_forward_hook(att.forget)  # the memo lives for one forward only
-    att.max_rows = max_rows
-    model.set_attn_implementation(NAME)
-    return att
-
-
-# ----------------------------------------------------------------------------------------------
-# row-wise linears
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.numel() else 0
-
-
-def _each_row(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn applied to each row of x alone, shaped as plain decoding feeds it ([1, 1, K]), joined back."""
-    rows = _rows(x)
-    flat = x.reshape(rows, 1, x.shape[-1])
-    out = torch.cat([fn(flat[i : i + 1]) for i in range(rows)])
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    if not 1 < _rows(x) <= max_rows:  # plain decoding (already one row) and long prefills
-        return F.linear(x, module.weight, module.bias)
-    return _each_row(lambda r: F.linear(r, module.weight, module.bias), x)
-
-
-def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, fp32_prefill: bool = False) -> torch.Tensor:
-    if 1 <= _rows(x) <= max_rows and x.dtype == torch.bfloat16:
-        return gemv.linear(x, module.weight, module.bias)
-    if fp32_prefill and x.dtype == torch.bfloat16:
-        # a long prefill where torch emulates bf16 GEMMs (no AMX / AVX512-BF16): the same bf16 values in an
-        # fp32 GEMM, rounded back: faster there (the demo's eval: bench/results/eval_prefill_cpu_avx2.json)
-        b = None if module.bias is None else module.bias.float()
-        return F.linear(x.float(), module.weight.float(), b).to(x.dtype)
-    return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
-
-
-def _set_forward(module: torch.nn.Module, how, max_rows: int | None) -> None:
-    if max_rows is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = functools.partial(how, module, max_rows)
-
-
-def set_rowwise(module: torch.nn.Linear, max_rows: int | None) -> None:
-    """Compute `module` one row at a time in forwards of 2..max_rows rows (None: batched again)."""
-    _set_forward(module, _linear_by_rows, max_rows)
-
-
-def set_kernel(module: torch.nn.Linear, max_rows: int | None, fp32_prefill: bool = False) -> None:
-    """Compute `module` in the gemv kernel in forwards of 1..max_rows rows (None: F.linear again);
-    longer forwards (prefills) in an fp32 GEMM with `fp32_prefill`, else in F.linear."""
-    _set_forward(module, functools.partial(_linear_by_kernel, fp32_prefill=fp32_prefill), max_rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# mixture-of-experts blocks row by row
-
-
-def moe_blocks(model) -> dict[str, torch.nn.Module]:
-    """The model's mixture-of-experts blocks (a router `gate` next to its `experts`: DeepSeek-V2/V3,
-    Kimi-K2, Qwen2/3-MoE, Mixtral in transformers 5).  A block routes a forward's tokens to experts
-    in groups, so a token's expert GEMMs have as many rows as tokens that chose that expert in the
-    same forward -- which other tokens are verified with it decides its arithmetic -- and the
-    experts are 3-D weights called through F.linear, not Linear modules the row-wise fix reaches."""
-    return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
-
-
-def _block_by_rows(module: torch.nn.Module, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    forward = type(module).forward.__get__(module)  # the class's own forward, under the one installed here
-    if not 1 < _rows(x) <= max_rows:  # plain decoding and long prefills: the block as it is
-        return forward(x)
-
-    def one(r: torch.Tensor) -> torch.Tensor:
-        out = forward(r)
-        if not isinstance(out, torch.Tensor):  # e.g. (states, router logits): not a block this knows how to join
-            from eaglenest import EaglenestError
-
-            raise EaglenestError(f"exact verification: the mixture-of-experts block {type(module).__name__} returns "
-                                 f"{type(out).__name__}, not a tensor of states, so it cannot be run token by token; "
-                                 "--attention model keeps the model's own forward (exactness then only probed)")
-        return out
-
-    return _each_row(one, x)
-
-
-def set_block_rowwise(module: torch.nn.Module, max_rows: int | None) -> None:
-    """Run a token-wise block (an MoE block: each token's output depends on that token alone) one
-    token at a time in forwards of 2..max_rows rows (None: as it is again)."""
-    _set_forward(module, _block_by_rows, max_rows)
+# the per-shape probe
 
 
 def linear_groups(model) -> dict[tuple, list[str]]:
@@ -373,56 +191,6 @@ def probe_end_to_end(model, rows: int, topk: int = 1, trials: int = 2, prompt_le
 
 # ----------------------------------------------------------------------------------------------
 # the set-up the evaluator runs
-
-
-def install_gemv(model, max_rows: int, linears: str) -> dict:
-    """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (gemv.py) for forwards of
-    1..max_rows rows -- plain decoding and verification then run the same per-row arithmetic --
-    where `linears` asks for it ('auto': where it can run, for verifications of at most
-    GEMV_AUTO_MAX_ROWS[its build] rows; 'kernel': required; 'torch': never).
-    Returns the report's `linears` block."""
-    from eaglenest import EaglenestError
-
-    if linears not in LINEAR_CHOICES:
-        raise EaglenestError(f"--linears must be one of {', '.join(LINEAR_CHOICES)} (got {linears!r})")
-    mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
-            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    isa = gemv.isa()
-    if linears == "torch":
-        why = "--linears torch"
-    elif not mods:
-        why = "no bf16 CPU Linear layers"
-    else:
-        why = gemv.load()[1]
-        if not why and linears == "auto" and max_rows > (limit := GEMV_AUTO_MAX_ROWS[isa]):
-            why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's "
-                   f"batched kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
-    if why:
-        if linears == "kernel":
-            raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
-        return {"kernel": "torch", "why": why}
-    fp32_prefill, prefill = prefill_gemm()
-    for m in mods:
-        set_kernel(m, max_rows, fp32_prefill)
-    return {"kernel": "eaglenest-gemv", "isa": isa, "modules": len(mods), "max_rows": max_rows,
-            "why": f"row-invariant by construction (each output one fixed sequence of {isa} instructions) "
-                   "and faster than torch's bf16 matrix-vector products on a CPU",
-            "prefill": prefill}
-
-
-def prefill_gemm() -> tuple[bool, str]:
-    """(fp32?, why) for the Linears of forwards longer than a verification (prompt prefills, which
-    plain and speculative decoding share, so either choice keeps verification exact): fp32 where
-    the CPU has no bf16 matrix instructions, as capture's `--dtype auto` decides (utils.auto_dtype).
-    EAGLENEST_BF16_PREFILL=1 keeps torch's bf16 GEMM (the other arm of bench/eval_prefill.py)."""
-    from eaglenest.utils import cpu_has_fast_bf16
-
-    if cpu_has_fast_bf16():
-        return False, "torch's bf16 GEMM (this CPU has bf16 matrix instructions)"
-    if os.environ.get("EAGLENEST_BF16_PREFILL") == "1":
-        return False, "torch's bf16 GEMM (EAGLENEST_BF16_PREFILL=1)"
-    return True, ("the bf16 values in an fp32 GEMM, rounded to bf16: this CPU has no bf16 matrix instructions, "
-                  "where torch emulates bf16 GEMMs several times slower")
 
 
 def prepare(model, *, rows: int | list[int], topk: int = 1, attention: str = "rowwise", linears: str = "auto") -> dict:

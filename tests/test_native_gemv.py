@@ -1,4 +1,5 @@
-"""The row-invariant bf16 matrix-vector kernel (evaluate/gemv.py) and its place in exact verification.
+"""The row-invariant bf16 matrix-vector kernel (native/gemv.py): a Linear, row-invariant, and built
+only as and where it should be (a private cache, each binary checked against its build record, $CC).
 
 On x86-64 Linux with a C compiler, on any CPU with AVX512-BF16 or AVX2 + FMA (its second build: an
 AVX2-only AMD EPYC, most laptops), the kernel must build and run; elsewhere these tests skip, saying
@@ -14,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from cpu_kind import bf16_matrix_cpu, gemv_cpu
-from helpers_eval import load_tiny, plain_greedy, random_draft
+from cpu_kind import gemv_cpu
 
 from eaglenest import EaglenestError
-from eaglenest.evaluate import exact, gemv
-from eaglenest.evaluate.specdec import SpecDecoder
+from eaglenest.native import gemv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,86 +70,16 @@ def test_kernel_refuses_what_it_cannot_compute(kernel):
         gemv.linear(torch.randn(1, 32).bfloat16(), w)
 
 
-def test_prepare_puts_the_linears_on_the_kernel_and_verification_is_exact(kernel, tiny_llama_dir):
-    """exact.prepare (--linears auto): every bf16 Linear of the target runs 1..k-row forwards in the
-    kernel; the per-shape and end-to-end probes (which call the installed forwards) find
-    verification bit-identical; speculative greedy == plain greedy; long prefills keep torch's bf16 GEMM
-    where the CPU has bf16 matrix instructions and run in an fp32 GEMM where it has not."""
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=4)
-    assert v["linears"]["kernel"] == "eaglenest-gemv" and v["linears"]["max_rows"] == 4
-    lin = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
-    assert v["linears"]["modules"] == len(lin) and all(x.__dict__["forward"].func is exact._linear_by_kernel for x in lin)
-    assert not any(any(p["differing"].values()) for p in v["probe_result"]["linears"])
-    assert v["exact"] is True and "gemv kernel" in exact.summary(v)
-    down = m.model.layers[0].mlp.down_proj
-    x5 = torch.randn(1, 5, down.in_features).bfloat16()
-    if bf16_matrix_cpu():  # 5 > k rows: torch's GEMM, as before
-        assert torch.equal(down(x5), F.linear(x5, down.weight)) and "bf16 GEMM" in v["linears"]["prefill"]
-    else:  # torch would emulate the bf16 GEMM: the same values in fp32, rounded back
-        assert torch.equal(down(x5), F.linear(x5.float(), down.weight.float()).bfloat16()) and "fp32 GEMM" in v["linears"]["prefill"]
-    d = random_draft(m, draft_vocab=4096)
-    for p in ([1, 500, 600, 700, 800], list(range(1, 40, 3))):
-        with SpecDecoder(m, d, set(), steps=3) as sd:
-            assert sd.generate(p, 24).output_ids == plain_greedy(m, p, 24)
+def test_the_kernels_source_is_read_from_the_package_and_shipped_with_it():
+    """gemv.c beside gemv.py is what the build compiles, and a wheel carries it (pyproject's package-data)."""
+    import fnmatch
 
-
-@pytest.mark.skipif(bf16_matrix_cpu(), reason="bf16 matrix instructions: prefills already run torch's bf16 GEMM")
-def test_bf16_prefill_env_keeps_torchs_gemm(kernel, tiny_llama_dir, monkeypatch):
-    """EAGLENEST_BF16_PREFILL=1 (the other arm of bench/eval_prefill.py) keeps F.linear for long prefills."""
-    monkeypatch.setenv("EAGLENEST_BF16_PREFILL", "1")
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=4)
-    down = m.model.layers[0].mlp.down_proj
-    x5 = torch.randn(1, 5, down.in_features).bfloat16()
-    assert torch.equal(down(x5), F.linear(x5, down.weight)) and "EAGLENEST_BF16_PREFILL" in v["linears"]["prefill"]
-    assert v["exact"] is True
-
-
-def test_auto_leaves_large_verifications_to_torch_and_kernel_forces_it(kernel, tiny_llama_dir):
-    """Above GEMV_AUTO_MAX_ROWS verified rows (large trees) `auto` keeps torch's GEMM, saying why;
-    `--linears kernel` installs the kernel for them anyway, and verification is still exact."""
-    many = exact.GEMV_AUTO_MAX_ROWS[gemv.isa()] + 4
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=many, topk=4)
-    assert v["linears"]["kernel"] == "torch" and f"verification of {many} rows" in v["linears"]["why"]
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=many, topk=4, linears="kernel")
-    assert v["linears"]["kernel"] == "eaglenest-gemv" and v["linears"]["max_rows"] == many
-    assert v["exact"] is True, v["probe_result"]["end_to_end"]
-
-
-def test_linears_torch_keeps_f_linear_and_kernel_is_refused_where_it_cannot_build(tiny_llama_dir, tmp_path, monkeypatch):
-    m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-    v = exact.prepare(m, rows=4, linears="torch")
-    assert v["linears"] == {"kernel": "torch", "why": "--linears torch"}
-    # (a shape torch computes batch-dependently here may still run row by row: exact.set_rowwise)
-    assert not any(getattr(x.__dict__.get("forward"), "func", None) is exact._linear_by_kernel for x in m.modules())
-    with pytest.raises(EaglenestError, match="--linears must be one of"):
-        exact.prepare(m, rows=4, linears="fast")
-    # the default compiler cannot build it: 'kernel' is refused, 'auto' says why it fell back
-    monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("PATH", str(_script(tmp_path / "bin" / "cc", "echo 'cc: broken' >&2; exit 1").parent))
-    gemv.load.cache_clear()
-    try:
-        m2 = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
-        if gemv_cpu():  # a CPU the kernel targets
-            with pytest.raises(EaglenestError, match="could not build"):
-                exact.prepare(m2, rows=4, linears="kernel")
-            v2 = exact.prepare(m2, rows=4)
-            assert v2["linears"]["kernel"] == "torch" and "could not build" in v2["linears"]["why"]
-            assert "cc: broken" in v2["linears"]["why"]
-            # a $CC that cannot build it is an error either way: it was asked for
-            monkeypatch.setenv("CC", "/bin/false")
-            gemv.load.cache_clear()
-            with pytest.raises(EaglenestError, match=r"\$CC='/bin/false'"):
-                exact.prepare(m2, rows=4)
-        else:
-            with pytest.raises(EaglenestError, match="neither AVX512-BF16 nor AVX2"):
-                exact.prepare(m2, rows=4, linears="kernel")
-    finally:
-        gemv.load.cache_clear()
+    tomllib = pytest.importorskip("tomllib")
+    src = Path(gemv.__file__).with_name("gemv.c")
+    assert gemv.SOURCE == src.read_text() and "eaglenest_gemv_bf16" in gemv.SOURCE
+    root = Path(gemv.__file__).parents[2]
+    shipped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["eaglenest.native"]
+    assert all(any(fnmatch.fnmatch(f.name, pat) for pat in shipped) for f in src.parent.iterdir() if f.suffix in (".c", ".h"))
 
 
 def _script(path, body: str):
@@ -185,7 +114,7 @@ def test_the_kernel_cache_is_private_and_a_binary_is_loaded_only_as_built(own_ca
     from eaglenest.utils import sha256_file
 
     # built in another process: dlopen would hand this one a library it loaded before by the same name
-    subprocess.run([sys.executable, "-c", "from eaglenest.evaluate import gemv; assert gemv.load()[0] is not None"], check=True)
+    subprocess.run([sys.executable, "-c", "from eaglenest.native import gemv; assert gemv.load()[0] is not None"], check=True)
     st = own_cache.stat()
     assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.getuid()
     lib, rec = _built(own_cache)
