@@ -1,13 +1,13 @@
 """The linears of one SmolLM2 forward (its real bf16 weights: 30 layers x 7 + the head) for M rows,
 in eaglenest's gemv kernel vs torch's F.linear batched vs torch one row at a time (row slices of the
-M-row input; exact.py's row-wise fallback slices a reshaped copy, with other strides), one thread
+M-row input; the row-wise fallback (evaluate/rowwise/linears.py) slices a reshaped copy, with other strides), one thread
 (an eval worker's setting).
 
     python bench/gemv_rows.py [--rows 1,2,4,8,12,16,32,64] [--reps 5]
 
 Per M, the arms alternate within each repetition; the median over repetitions is recorded (ms for
 all 211 linears of one forward).  Where the kernel stops paying against torch's batched kernel is
-what `--linears auto` uses (exact.GEMV_AUTO_MAX_ROWS, per build).  Result: bench/results/gemv_rows_cpu.json
+what `--linears auto` uses (rowwise.linears.GEMV_AUTO_MAX_ROWS, per build).  Result: bench/results/gemv_rows_cpu.json
 (AVX512-BF16 build) or gemv_rows_cpu_<isa>.json.
 """
 

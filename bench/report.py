@@ -64,7 +64,7 @@ RETIRED: dict[str, str] = {
                         "provenance: re-run bench/draft_kinds.py for every arm (render module: bench/render/draft_kinds.py in git history)",
     "demo_time_gemv.json": "the full `make demo` per stage: its note types figures (and breaks its command): re-run "
                            "bench/demo_time.py run + collect without figures in --note",
-    "gemv_rows_cpu.json": "the gemv kernel vs torch by rows on AVX512-BF16 (behind exact.GEMV_AUTO_MAX_ROWS): written from a "
+    "gemv_rows_cpu.json": "the gemv kernel vs torch by rows on AVX512-BF16 (behind rowwise.linears.GEMV_AUTO_MAX_ROWS): written from a "
                           "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5",
 }
 

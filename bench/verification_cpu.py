@@ -6,7 +6,7 @@ One SmolLM2 (bf16) target, one draft, MT-bench first turns, 3 steps, topk 1, gre
 model object, prompt by prompt in rotating order (so load changes hit every setting alike):
 
   probe        what `eaglenest eval` does on a CPU: row-wise attention + the Linear shapes the
-               set-up probe found batch-dependent here run row by row (evaluate/exact.py)
+               set-up probe found batch-dependent here run row by row (evaluate/verification.py)
   attention    row-wise attention only, every Linear batched (the exact path before the probe)
   all_linears  row-wise attention + every Linear row by row (the probe's fallback)
   model        the model's own attention (SDPA) and batched linears (`--attention model`)
