@@ -63,7 +63,7 @@ def dflash_draft(smollm2, tmp_path_factory):
 
 
 def _args(smollm2, draft, bench, out, engine, **kw):
-    a = dict(model=str(smollm2), draft=str(draft), out=str(out), bench=str(bench), limit=None, turns=1, steps=3, topk=1,
+    a = dict(model=str(smollm2), draft=str(draft), out=str(out), bench=str(bench), limit=None, turns=1, steps=None, topk=1,
              num_draft_tokens=None, temperature=0.0, max_new_tokens=NEW, engine=engine, device="cpu", dtype="fp32",
              seed=0, no_baseline=False, trust_remote_code=False, engine_args={}, attention="auto", workers=1, baseline_limit=None)
     a.update(kw)
