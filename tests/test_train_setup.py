@@ -98,6 +98,29 @@ def test_optimizer_decays_matrices_only_and_schedule_warms_up_then_decays():
     assert lrs[-1] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16))))  # cosine to 10 %
 
 
+def test_draft_vocab_fills_with_never_seen_non_special_tokens(tiny_llama_dir):
+    """SmolLM2's tokenizer: ids 0-16 are special.  Data with 3 distinct tokens and a vocabulary of 8:
+    the 3, the stop ids (2 = <|im_end|>, 0 = <|endoftext|>), then never-seen tokens from 17 up."""
+    from eaglenest.models.target import eos_token_ids
+    from eaglenest.train.setup import draft_vocab
+
+    counts = torch.zeros(49152, dtype=torch.int64)
+    counts[[500, 900, 16]] = torch.tensor([5, 3, 1])  # a special token the data does hold keeps its place
+    d2t, _ = draft_vocab(counts, 8, tiny_llama_dir)
+    stops = sorted(eos_token_ids(tiny_llama_dir))
+    assert stops and all(s < 17 for s in stops)
+    got = draft_ids_to_target(d2t).tolist()
+    assert got == sorted([16, 500, 900, *stops, *range(17, 17 + 8 - 3 - len(stops))]), got
+
+
+def test_warmup_steps_default_has_a_floor():
+    from eaglenest.train.setup import warmup_steps
+
+    # 3 % of the run, at least 8 steps, at most a quarter of the run; an explicit value is kept
+    assert [warmup_steps(0, t) for t in (1, 4, 20, 60, 160, 630, 2000)] == [1, 1, 5, 8, 8, 19, 60]
+    assert warmup_steps(3, 2000) == 3
+
+
 def test_store_source_splits_each_step_over_ranks(store):
     sched = Schedule(store.lengths(), list(range(len(store))), 64, 4, 0, 32)
     one = StoreSource(store, sched, 3, 32)

@@ -29,7 +29,7 @@ from eaglenest import EaglenestError
 from eaglenest.capture.layers import require_layer_count
 from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
 from eaglenest.draft.model import DraftConfig
-from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
+from eaglenest.draft.vocab import draft_ids_to_target
 from eaglenest.features import FeatureStore
 from eaglenest.train.checkpoint import Checkpointer, SavePolicy, check_resume
 from eaglenest.train.config import RESUME_FIXED, TrainConfig
@@ -53,10 +53,12 @@ from eaglenest.train.setup import (
     build_optimizer,
     build_scheduler,
     build_teacher,
+    draft_vocab,
     fc_input_rms,
     lr_lambda,
     store_fingerprint,
     vocab_counts,
+    warmup_steps,
 )
 from eaglenest.train.objective import make_objective
 from eaglenest.train.ttt import ALPHA_KEYS, STAT_KEYS, denominators
@@ -171,8 +173,8 @@ class Trainer:
         if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
             fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(len(meta.layer_ids) * meta.hidden_size)
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
-        self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
-                                 fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
+        self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.head_init(), fc_init=cfg.fc_init,
+                                 fc_rms=fc_rms, freeze_head=cfg.freeze_head, qk_gain=cfg.dflash_qk_gain).to(self.device)
         self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
             head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
             bf16=self.autocast).to(self.device)
@@ -195,7 +197,7 @@ class Trainer:
             self.source = StoreSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin=pin)
         spe = self.schedule.steps_per_epoch
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
-        self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
+        self.warmup = warmup_steps(cfg.warmup_steps, self.total_steps)
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
         self.n_train_tokens = sum(store.lengths()[i] for i in train_idx)
 
@@ -292,9 +294,7 @@ class Trainer:
         else:  # online: DATA's loss-masked token counts, the counts of a complete store
             counts = self.store.token_counts(tcfg.vocab_size) if self.cfg.online else vocab_counts(self.store, tcfg.vocab_size)
         self.counts = self.dist.broadcast_(counts)
-        from eaglenest.models.target import eos_token_ids, resolve_model_path
-
-        return build_vocab(self.counts, self.cfg.draft_vocab, always=eos_token_ids(resolve_model_path(self.cfg.model)))
+        return draft_vocab(self.counts, self.cfg.draft_vocab, self.cfg.model)
 
     def _note_objective(self) -> None:
         """A resume may change the objective (fine-tuning with another loss): said, not refused."""
