@@ -121,6 +121,48 @@ def test_warmup_steps_default_has_a_floor():
     assert warmup_steps(3, 2000) == 3
 
 
+class _Prompts:
+    """A store-like object (input_ids / loss_mask per sample) over token lists."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def input_ids(self, i):
+        return torch.tensor(self.samples[i][0])
+
+    def loss_mask(self, i):
+        return torch.tensor(self.samples[i][1])
+
+
+def test_split_goes_by_normalized_prompt(tiny_llama_dir):
+    """Samples whose prompts differ only in case and spacing (and in their answers) land on one side;
+    the held-out share is about the fraction of distinct prompts."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.train.data import held_out_mask, split
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    samples, group = [], []
+    for q in range(120):
+        for variant, answer in ((f"Question number {q}: what is it?", "Fine."), (f"question  NUMBER {q}:\twhat is it? ", "Other.")):
+            p, a = tok(variant)["input_ids"], tok(answer)["input_ids"]
+            samples.append((p + a, [0] * len(p) + [1] * len(a)))
+            group.append(q)
+    store = _Prompts(samples)
+    held = held_out_mask(store, 0.25, tok)
+    assert all(held[2 * q] == held[2 * q + 1] for q in range(120))  # duplicates never straddle the split
+    assert 12 <= int(held.sum()) // 2 <= 48  # 25 % of 120 prompts = 30, sd 4.7
+    train, out = split(store, 0.25, tok)
+    assert sorted(train + out) == list(range(240)) and set(out) == set(held.nonzero().flatten().tolist())
+    assert not held_out_mask(store, 0.0, tok).any()
+    # the token ids alone (no tokenizer) tell the variants apart: the normalization is what joins them
+    raw = held_out_mask(store, 0.5, None)
+    assert any(raw[2 * q] != raw[2 * q + 1] for q in range(120))
+
+
 def test_store_source_splits_each_step_over_ranks(store):
     sched = Schedule(store.lengths(), list(range(len(store))), 64, 4, 0, 32)
     one = StoreSource(store, sched, 3, 32)

@@ -33,7 +33,7 @@ from eaglenest.draft.vocab import draft_ids_to_target
 from eaglenest.features import FeatureStore
 from eaglenest.train.checkpoint import Checkpointer, SavePolicy, check_resume
 from eaglenest.train.config import RESUME_FIXED, TrainConfig
-from eaglenest.train.data import Batch, Schedule, split
+from eaglenest.train.data import SPLIT_RULE, Batch, Schedule, held_out_mask, split
 from eaglenest.train.distributed import Distributed, collective_timeout
 from eaglenest.train.loader import Prefetcher, StepData, StoreSource
 from eaglenest.train.online import (
@@ -159,7 +159,7 @@ class Trainer:
             dcfg = dflash_config(dcfg, cfg)
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
-        self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
+        self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(), "split_by": SPLIT_RULE,
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
             self._check_resume()
@@ -187,7 +187,7 @@ class Trainer:
             raise EaglenestError(f"--attn-impl {self.attn_impl}: {e}") from None
 
         # data: order (Schedule) and this rank's reads (StoreSource) or captures (OnlineSource)
-        train_idx, self.eval_idx = split(store, cfg.eval_fraction)
+        train_idx, self.eval_idx = split(store, cfg.eval_fraction, held=self._held_out(store))
         self.schedule = Schedule(store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
         self.eval_batches = Schedule(store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
         pin = self.device_type == "cuda"
@@ -230,6 +230,7 @@ class Trainer:
             atomic_write_json(self.out / "config.json", {
                 "train": asdict(cfg), "draft": dcfg.to_dict(), "store": meta.to_dict(), "target": str(cfg.model),
                 "identity": self.identity, "n_train_samples": len(train_idx), "n_eval_samples": len(self.eval_idx),
+                "split_by": SPLIT_RULE,
                 "n_train_tokens": self.n_train_tokens, "total_steps": self.total_steps, "steps_per_epoch": spe,
                 "world_size": self.world, "draft_vocab_coverage": self._coverage(t2d),
                 **({"online": self.online_info} if cfg.online else {}),
@@ -295,6 +296,20 @@ class Trainer:
             counts = self.store.token_counts(tcfg.vocab_size) if self.cfg.online else vocab_counts(self.store, tcfg.vocab_size)
         self.counts = self.dist.broadcast_(counts)
         return draft_vocab(self.counts, self.cfg.draft_vocab, self.cfg.model)
+
+    def _held_out(self, store) -> torch.Tensor:
+        """The held-out samples (train/data.py held_out_mask: by normalized prompt), found by rank 0 (the
+        other ranks read only their own samples) and broadcast."""
+        held = torch.zeros(len(store), dtype=torch.int64)
+        if self.rank == 0 and self.cfg.eval_fraction > 0:
+            from transformers import AutoTokenizer
+
+            from eaglenest.models.target import resolve_model_path
+
+            path = resolve_model_path(self.cfg.model)
+            tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+            held = held_out_mask(store, self.cfg.eval_fraction, tok).to(torch.int64)
+        return self.dist.broadcast_(held).bool()
 
     def _note_objective(self) -> None:
         """A resume may change the objective (fine-tuning with another loss): said, not refused."""
@@ -364,7 +379,8 @@ class Trainer:
                 for k in per[j]:
                     per[j][k] += stats[k][j]
         self.model.train()
-        return summarize(per, self.serve_steps)
+        # which samples these statistics (expected_tau too) are measured on: the logs and final.json say it
+        return {**summarize(per, self.serve_steps), "split": f"held-out: {len(self.eval_idx)} samples, by {SPLIT_RULE}"}
 
     # --- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -400,6 +416,7 @@ class Trainer:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
                         rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(self.P)],
                                                          self.serve_steps), "train_"))
+                        rec["train_split"] = "train: this step's micro-batches"  # train_expected_tau's data
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
                             last_eval = self.evaluate()
