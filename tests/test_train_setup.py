@@ -117,7 +117,7 @@ def test_warmup_steps_default_has_a_floor():
     from eaglenest.train.setup import warmup_steps
 
     # 3 % of the run, at least 8 steps, at most a quarter of the run; an explicit value is kept
-    assert [warmup_steps(0, t) for t in (1, 4, 20, 60, 160, 630, 2000)] == [1, 1, 5, 8, 8, 19, 60]
+    assert [warmup_steps(0, t) for t in (1, 4, 20, 60, 160, 630, 2000)] == [1, 1, 5, 8, 8, 18, 60]
     assert warmup_steps(3, 2000) == 3
 
 

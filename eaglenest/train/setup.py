@@ -155,7 +155,7 @@ def warmup_steps(requested: int, total: int) -> int:
     steps, and the first full-rate steps of a fresh draft go into undoing its start."""
     if requested:
         return int(requested)
-    return max(1, min(max(WARMUP_MIN, round(WARMUP_SHARE * total)), total // 4))
+    return max(1, min(max(WARMUP_MIN, int(WARMUP_SHARE * total)), total // 4))
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
