@@ -44,6 +44,25 @@ def test_dflash_resume_reproduces_uninterrupted_run(tiny_llama_dir, tiny_store, 
         Trainer(dcfg(tiny_llama_dir, tiny_store, part, max_steps=8, resume=True, dflash_anchors=7))
 
 
+def test_dflash_starts_at_a_uniform_guess(tiny_llama_dir, tiny_store, tmp_path):  # noqa: F811
+    """Issue 42: the start is a zero head (every logit 0: the first loss is ln(draft vocabulary), not the
+    ~100 nats the target's head gave the mask slots) with a fresh final norm and q/k norms at
+    --dflash-qk-gain; --init-head target keeps the target's rows for who wants them."""
+    import math
+
+    t = Trainer(dcfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=1, eval_fraction=0.0))
+    m = t.model
+    assert not m.lm_head.weight.any() and torch.equal(m.norm.weight, torch.ones_like(m.norm.weight))
+    assert all(float(x.self_attn.q_norm.weight.min()) == float(x.self_attn.k_norm.weight.max()) == 2.0 for x in m.layers)
+    t.fit()
+    first = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(math.log(500), abs=1e-5) and first["train_loss"] == pytest.approx([math.log(500)] * (BLOCK - 1), abs=1e-5)
+    old = Trainer(dcfg(tiny_llama_dir, tiny_store, tmp_path / "o", max_steps=1, init_head="target", dflash_qk_gain=1.0))
+    assert old.model.lm_head.weight.any() and float(old.model.layers[0].self_attn.q_norm.weight.max()) == 1.0
+    with pytest.raises(EaglenestError, match="freeze-head"):  # auto = zero for DFlash: nothing to freeze
+        dcfg(tiny_llama_dir, tiny_store, tmp_path / "f", freeze_head=True).validate()
+
+
 def test_dflash_learns(tiny_llama_dir, tiny_store, tmp_path):  # noqa: F811
     """The tiny store's tokens are random (nothing to generalize): the draft memorizes its training blocks."""
     Trainer(dcfg(tiny_llama_dir, tiny_store, tmp_path / "r", max_steps=60, grad_accum=1, lr=1e-2, eval_fraction=0.0)).fit()

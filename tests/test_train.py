@@ -138,6 +138,12 @@ def test_vocab_mapping_round_trip():
     # fewer occurring tokens than K: deterministic fill by id
     d2t2, _ = build_vocab(torch.zeros(10, dtype=torch.long), 3)
     assert draft_ids_to_target(d2t2).tolist() == [0, 1, 2]
+    # ... but never with an excluded id (specials) while another never-seen token is left; a seen one keeps its count
+    fill = lambda c, k, ex: draft_ids_to_target(build_vocab(c, k, filler_excluded=ex)[0]).tolist()  # noqa: E731
+    assert fill(torch.zeros(10), 3, [0, 1, 5]) == [2, 3, 4]
+    assert fill(torch.tensor([0, 4, 0, 0, 0, 0]), 3, [0, 1]) == [1, 2, 3]
+    assert fill(torch.zeros(4), 4, [0, 2]) == [0, 1, 2, 3]  # K = V: everything, excluded ones last in line
+    assert fill(torch.zeros(10), 3, [-1, 99]) == [0, 1, 2]  # ids outside the vocabulary are ignored
     bad = d2t.clone()
     bad[1] = bad[0] - 1  # duplicate target id
     assert "increasing" in check_vocab(bad, t2d)

@@ -98,6 +98,71 @@ def test_optimizer_decays_matrices_only_and_schedule_warms_up_then_decays():
     assert lrs[-1] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16))))  # cosine to 10 %
 
 
+def test_draft_vocab_fills_with_never_seen_non_special_tokens(tiny_llama_dir):
+    """SmolLM2's tokenizer: ids 0-16 are special.  Data with 3 distinct tokens and a vocabulary of 8:
+    the 3, the stop ids (2 = <|im_end|>, 0 = <|endoftext|>), then never-seen tokens from 17 up."""
+    from eaglenest.models.target import eos_token_ids
+    from eaglenest.train.setup import draft_vocab
+
+    counts = torch.zeros(49152, dtype=torch.int64)
+    counts[[500, 900, 16]] = torch.tensor([5, 3, 1])  # a special token the data does hold keeps its place
+    d2t, _ = draft_vocab(counts, 8, tiny_llama_dir)
+    stops = sorted(eos_token_ids(tiny_llama_dir))
+    assert stops and all(s < 17 for s in stops)
+    got = draft_ids_to_target(d2t).tolist()
+    assert got == sorted([16, 500, 900, *stops, *range(17, 17 + 8 - 3 - len(stops))]), got
+
+
+def test_warmup_steps_default_has_a_floor():
+    from eaglenest.train.setup import warmup_steps
+
+    # 3 % of the run, at least 8 steps, at most a quarter of the run; an explicit value is kept
+    assert [warmup_steps(0, t) for t in (1, 4, 20, 60, 160, 630, 2000)] == [1, 1, 5, 8, 8, 18, 60]
+    assert warmup_steps(3, 2000) == 3
+
+
+class _Prompts:
+    """A store-like object (input_ids / loss_mask per sample) over token lists."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def input_ids(self, i):
+        return torch.tensor(self.samples[i][0])
+
+    def loss_mask(self, i):
+        return torch.tensor(self.samples[i][1])
+
+
+def test_split_goes_by_normalized_prompt(tiny_llama_dir):
+    """Samples whose prompts differ only in case and spacing (and in their answers) land on one side;
+    the held-out share is about the fraction of distinct prompts."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.train.data import held_out_mask, split
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    samples, group = [], []
+    for q in range(120):
+        for variant, answer in ((f"Question number {q}: what is it?", "Fine."), (f"question  NUMBER {q}:\twhat is it? ", "Other.")):
+            p, a = tok(variant)["input_ids"], tok(answer)["input_ids"]
+            samples.append((p + a, [0] * len(p) + [1] * len(a)))
+            group.append(q)
+    store = _Prompts(samples)
+    held = held_out_mask(store, 0.25, tok)
+    assert all(held[2 * q] == held[2 * q + 1] for q in range(120))  # duplicates never straddle the split
+    assert 12 <= int(held.sum()) // 2 <= 48  # 25 % of 120 prompts = 30, sd 4.7
+    train, out = split(store, 0.25, tok)
+    assert sorted(train + out) == list(range(240)) and set(out) == set(held.nonzero().flatten().tolist())
+    assert not held_out_mask(store, 0.0, tok).any()
+    # the token ids alone (no tokenizer) tell the variants apart: the normalization is what joins them
+    raw = held_out_mask(store, 0.5, None)
+    assert any(raw[2 * q] != raw[2 * q + 1] for q in range(120))
+
+
 def test_store_source_splits_each_step_over_ranks(store):
     sched = Schedule(store.lengths(), list(range(len(store))), 64, 4, 0, 32)
     one = StoreSource(store, sched, 3, 32)

@@ -384,6 +384,71 @@ def test_run_regenerate_is_resumable(tiny_llama_dir, tmp_path):
                        max_new_tokens=8)
 
 
+def test_repeated_share_and_loops():
+    from eaglenest.data.regenerate import loops, repeated_share
+
+    assert repeated_share([1, 2, 3, 4], 2) == 0.0 and repeated_share([5], 8) == 0.0
+    assert repeated_share([1, 2, 1, 2, 1, 2], 2) == pytest.approx(3 / 5)  # (1,2) (2,1) new, then 3 repeats of 5
+    cycle = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    row = {"input_ids": [1, 2] + cycle * 3 + [3], "loss_mask": [0, 0] + [1] * 30 + [0]}
+    assert repeated_share(cycle * 3, 8) == pytest.approx(13 / 23) and loops(row, 8, 0.2)  # the grams from the 2nd cycle on
+    assert not loops({"input_ids": [1, 2] + list(range(40, 70)), "loss_mask": [0, 0] + [1] * 30}, 8, 0.2)
+    # a later turn that loops makes the sample loop; the prompt's own repeats do not count
+    two = {"input_ids": cycle * 3 + [5, 6, 7] + [8] * 12, "loss_mask": [0] * 30 + [1] * 3 + [1] * 12}
+    assert loops(two, 8, 0.2) and not loops({**two, "input_ids": cycle * 3 + list(range(100, 115))}, 8, 0.2)
+
+
+def test_run_regenerate_counts_and_drops_loops_and_capped_answers(tiny_llama_dir, tmp_path, capsys):
+    """Looping answers (repeated 8-grams) and answers cut at the length cap are counted in the output
+    and the meta, and left out with --drop-loops / --drop-capped; a re-run with other flags rewrites
+    the DATA_DIR from the log (nothing generated again); samples sharing a normalized prompt are counted."""
+    from eaglenest.data import PreparedData, Sample, write_prepared
+    from eaglenest.data.regenerate import Quality, run_regenerate
+
+    EOT = 2
+    src = tmp_path / "src"
+    # s0 s1: fine answers; s2: a loop; s3: cut at the cap (12 new tokens); s4: s0's prompt again
+    write_prepared(src, [Sample(f"s{i}", [1, 40 + (i % 4), 60, EOT], [0, 0, 1, 1]) for i in range(5)],
+                   {"target": str(tiny_llama_dir), "max_length": 64}, vocab_size=49152)
+    calls = []
+
+    def reply(r, n):
+        calls.append(r.id)
+        p = r.input_ids[1]
+        if p == 42:
+            return Generated(r.id, r.input_ids, [70, 71, 72, 73, 74] * 4 + [EOT], "stop")  # 8 of 14 8-grams repeat
+        if p == 43:
+            return Generated(r.id, r.input_ids, list(range(200, 200 + n)), "length")
+        return Generated(r.id, r.input_ids, list(range(300 + 20 * (p - 40), 310 + 20 * (p - 40))) + [EOT], "stop")
+
+    out = tmp_path / "out"
+    kw = dict(model_path=tiny_llama_dir, temperature=0.0, max_new_tokens=12, batch_size=2)
+    s = run_regenerate(FakeEngine(reply), PreparedData(src), out, **kw)
+    assert (s.done, s.looping, s.truncated, s.dropped, s.duplicate_prompts) == (5, 1, 1, 0, 1)
+    judged = PreparedData(out).meta["notes"]["regenerated"]["judged"]
+    assert judged["looping"] == 1 and judged["length_capped"] == 1 and judged["dropped"] == 0
+    assert judged["loop_rule"] == {"ngram": 8, "min_repeated_share": 0.2} and judged["duplicate_prompts"] == 1
+    assert "of 5 answers, 1 loop" in capsys.readouterr().err and len(PreparedData(out)) == 5
+
+    n_calls = len(calls)
+    s = run_regenerate(FakeEngine(reply), PreparedData(src), out, quality=Quality(drop_loops=True, drop_capped=True), **kw)
+    assert len(calls) == n_calls and s.skipped_done == 5  # rewritten from the log
+    d = PreparedData(out)
+    assert d.ids() == ["s0", "s1", "s4"] and (s.looping, s.truncated, s.dropped) == (1, 1, 2)
+    judged = d.meta["notes"]["regenerated"]["judged"]
+    assert (judged["dropped_looping"], judged["dropped_length_capped"], judged["drop_loops"]) == (1, 1, True)
+    err = capsys.readouterr().err
+    assert "2 left out (--drop-loops: 1, --drop-capped: 1)" in err
+    # a stricter rule flags nothing here; a looser one flags more
+    s = run_regenerate(FakeEngine(reply), PreparedData(src), out, quality=Quality(loop_ngram=4, loop_share=0.9), **kw)
+    assert s.looping == 0
+    from eaglenest import EaglenestError
+
+    with pytest.raises(EaglenestError, match="every one of the 5 answers was left out"):  # said, not an empty DATA_DIR
+        run_regenerate(FakeEngine(lambda r, n: Generated(r.id, r.input_ids, [70, 71, 72, 73, 74] * 4 + [EOT], "stop")),
+                       PreparedData(src), tmp_path / "all", quality=Quality(drop_loops=True), **kw)
+
+
 def test_server_command_binds_loopback_and_disables_caching(tmp_path):
     from eaglenest.engines.vllm import server_command
 

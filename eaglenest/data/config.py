@@ -64,9 +64,18 @@ class RegenerateConfig:
     limit: int | None = option(None, "only the first N prepared samples")
     max_failures: int | None = option(None, "stop once more samples than this have failed")
     dtype: str = option("bf16", "model dtype", choices=["bf16", "fp32"])
+    loop_ngram: int = option(8, "an answer loops when at least --loop-share of its n-grams of this many tokens repeat an "
+                             "earlier n-gram of the same answer (a greedy repetition loop); counted, see --drop-loops")
+    loop_share: float = option(0.2, "the share of repeated n-grams from which an answer loops (see --loop-ngram)")
+    drop_loops: bool = option(False, "leave looping answers out of OUT (counted; the log keeps them: re-running with other "
+                              "flags rewrites OUT without generating again)")
+    drop_capped: bool = option(False, "leave answers that hit the length cap (--max-new-tokens or the data's max_length) out "
+                               "of OUT (counted, as --drop-loops)")
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise EaglenestError("--max-new-tokens must be at least 1")
+        if self.loop_ngram < 2 or not 0 < self.loop_share <= 1:
+            raise EaglenestError(f"--loop-ngram must be at least 2 and --loop-share in (0, 1] (got {self.loop_ngram}, {self.loop_share})")
         if self.temperature < 0:
             raise EaglenestError("--temperature must be >= 0")

@@ -16,6 +16,15 @@ The EAGLE-3 recipe trains the draft on what the *target* says, not on what the d
   * a turn that stopped on the length limit (`--max-new-tokens`, or the data's max_length) ends
     the sample there: its later turns are dropped and the sample is counted as `truncated`.
 
+What it writes is judged before it teaches: an answer *loops* when at least `loop_share` of its
+`loop_ngram`-token n-grams repeat an earlier n-gram of the same answer (a greedy repetition loop:
+a small target's answers often end in one, and a draft learns them easily, so the held-out
+accuracy of looping data predicts a tau decoding never sees); an answer *hit the length cap* when a
+turn stopped on the length limit (the `truncated` samples).  Both are counted in the output and in
+the DATA_DIR's meta, and `--drop-loops` / `--drop-capped` leave them out of the DATA_DIR (the log
+keeps them: a re-run with other flags rewrites the DATA_DIR without generating again).  Samples
+whose prompt (data/prompts.py: normalized) repeats an earlier sample's are counted too.
+
 Token-exact: every generation is checked against the ids the engine echoes (check_echo); a
 mismatch fails the sample (`token_mismatch`).  Resumable: finished samples are appended (and
 fsynced) to OUT/regenerate.jsonl as they complete; a re-run with the same settings skips them and
@@ -54,6 +63,24 @@ def turn_spans(mask: list[int]) -> list[tuple[int, int]]:
     if start is not None:
         spans.append((start, len(mask)))
     return spans
+
+
+def repeated_share(tokens: list[int], n: int) -> float:
+    """The share of `tokens`' n-grams that repeat an earlier n-gram of the same sequence (0 when it
+    has fewer than n tokens)."""
+    seen, repeats, total = set(), 0, 0
+    for i in range(len(tokens) - n + 1):
+        g = tuple(tokens[i : i + n])
+        repeats += g in seen
+        total += 1
+        seen.add(g)
+    return repeats / total if total else 0.0
+
+
+def loops(row: dict, n: int, share: float) -> bool:
+    """Whether a regenerated sample (a log row) has a generated turn that loops (module docstring)."""
+    ids = row["input_ids"]
+    return any(repeated_share(ids[a:b], n) >= share for a, b in turn_spans(row["loss_mask"]))
 
 
 def sample_seed(base: int, sid: str, turn: int) -> int:
@@ -211,10 +238,42 @@ class RegenerateSummary:
     skipped_done: int
     failed: int
     generated_tokens: int
-    truncated: int
+    truncated: int  # samples whose answer hit the length cap (written or dropped)
     seconds: float
     failures: dict
     meta: dict | None
+    looping: int = 0  # samples with a looping answer (written or dropped)
+    dropped: int = 0  # regenerated samples left out of the DATA_DIR (--drop-loops, --drop-capped)
+    duplicate_prompts: int = 0  # samples whose normalized prompt repeats an earlier sample's
+
+
+@dataclass
+class Quality:
+    """What regenerate judges its answers by (module docstring), and what it leaves out."""
+
+    loop_ngram: int = 8
+    loop_share: float = 0.2
+    drop_loops: bool = False
+    drop_capped: bool = False
+
+    def verdicts(self, rows: list[dict]) -> tuple[list[bool], list[bool]]:
+        """(looping, capped) per row."""
+        return [loops(r, self.loop_ngram, self.loop_share) for r in rows], [bool(r["truncated"]) for r in rows]
+
+    def keep(self, looping: bool, capped: bool) -> bool:
+        return not (self.drop_loops and looping) and not (self.drop_capped and capped)
+
+
+def duplicate_prompts(rows: list[dict], model_path) -> int:
+    """How many samples' normalized prompts (data/prompts.py) repeat an earlier sample's."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.data.prompts import prompt_ids, prompt_key
+
+    path = Path(model_path)
+    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    keys = [prompt_key(prompt_ids(r["input_ids"], r["loss_mask"]), tok) for r in rows]
+    return len(keys) - len(set(keys))
 
 
 def run_regenerate(
@@ -230,8 +289,10 @@ def run_regenerate(
     batch_size: int = 32,
     limit: int | None = None,
     max_failures: int | None = None,
+    quality: Quality = Quality(),
 ) -> RegenerateSummary:
-    """Regenerate `data` (a PreparedData) into the DATA_DIR `out` through `engine`."""
+    """Regenerate `data` (a PreparedData) into the DATA_DIR `out` through `engine`; `quality` counts
+    looping and length-capped answers and says which to leave out."""
     from eaglenest.data.store import Sample, write_prepared
     from eaglenest.models.target import eos_token_ids, target_fingerprint
 
@@ -306,7 +367,19 @@ def run_regenerate(
     dt = time.time() - t0
 
     meta = None
-    final = [done_rows[s.id] for s in samples if s.id in done_rows]
+    done = [done_rows[s.id] for s in samples if s.id in done_rows]
+    looping, capped = quality.verdicts(done)
+    final = [r for r, lo, ca in zip(done, looping, capped) if quality.keep(lo, ca)]
+    judged = {"loop_rule": {"ngram": quality.loop_ngram, "min_repeated_share": quality.loop_share},
+              "looping": sum(looping), "length_capped": sum(capped), "drop_loops": quality.drop_loops,
+              "drop_capped": quality.drop_capped, "dropped": len(done) - len(final),
+              "dropped_looping": sum(lo and not quality.keep(lo, ca) for lo, ca in zip(looping, capped)),
+              "dropped_length_capped": sum(ca and not quality.keep(lo, ca) for lo, ca in zip(looping, capped)),
+              "duplicate_prompts": duplicate_prompts(done, model_path) if done else 0}
+    if done and not final:
+        raise EaglenestError(f"regenerate: every one of the {len(done)} answers was left out ({judged['looping']} loop, "
+                             f"{judged['length_capped']} hit the length cap): nothing to write to {out} (re-run without "
+                             "--drop-loops / --drop-capped, or with a larger --max-new-tokens)")
     if final:
         n_trunc = sum(1 for r in final if r["truncated"])
         meta = write_prepared(
@@ -320,8 +393,9 @@ def run_regenerate(
                 "sources": [{"regenerated_from": settings["source_data"], "source_sources": src_meta.get("sources")}],
                 "failures": failures.summary(),
                 "notes": {
-                    "regenerated": {**settings, "samples": len(final), "missing": n - len(final),
+                    "regenerated": {**settings, "samples": len(final), "missing": n - len(done),
                                     "truncated": n_trunc, "generated_tokens": sum(r["generated_tokens"] for r in final),
+                                    "judged": judged,
                                     "turns": sum(r["turns"] for r in final),
                                     "turns_dropped": sum(max(0, r["turns_in_source"] - r["turns"]) for r in final)},
                 },
@@ -334,12 +408,19 @@ def run_regenerate(
         + (f"wrote {len(final)} samples to {out}" if final else "nothing written"),
         file=sys.stderr,
     )
+    if done:
+        print(f"regenerate: of {len(done)} answers, {judged['looping']} loop (a turn with >= {quality.loop_share:.0%} of its "
+              f"{quality.loop_ngram}-grams repeated) and {judged['length_capped']} hit the length cap; "
+              f"{judged['dropped']} left out (--drop-loops: {judged['dropped_looping']}, --drop-capped: "
+              f"{judged['dropped_length_capped']}); {judged['duplicate_prompts']} samples repeat an earlier sample's "
+              "prompt (normalized)", file=sys.stderr)
     if (requests := engine.request_stats()) is not None:
         from eaglenest.engines.http import describe
 
         print(f"regenerate: engine requests: {describe(requests)}", file=sys.stderr)
-    return RegenerateSummary(len(todo) - failures.total, n - len(todo), failures.total, gen_tokens,
-                             sum(1 for r in final if r["truncated"]), dt, failures.summary(), meta)
+    return RegenerateSummary(len(todo) - failures.total, n - len(todo), failures.total, gen_tokens, sum(capped), dt,
+                             failures.summary(), meta, looping=sum(looping), dropped=judged["dropped"],
+                             duplicate_prompts=judged["duplicate_prompts"])
 
 
 def _truncate_torn(path: Path) -> None:

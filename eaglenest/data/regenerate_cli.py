@@ -20,7 +20,8 @@ def register(sub) -> None:
         "turn (a run of the loss mask), the target continues the conversation as it stands -- the original system/user "
         "tokens and its own earlier answers -- and its answer (ending with the end-of-turn token) replaces the data "
         "set's, with the loss mask over exactly the generated tokens. A turn cut by the length limit ends the sample "
-        "there (later turns dropped, counted as truncated). Token-exact (echoed prompt ids are checked) and resumable: "
+        "there (later turns dropped, counted as truncated). Answers that loop (repeated n-grams) or hit the length cap are "
+        "counted and can be left out (--drop-loops, --drop-capped). Token-exact (echoed prompt ids are checked) and resumable: "
         "re-run the same command to continue; OUT becomes an ordinary DATA_DIR for `eaglenest capture`. Options can "
         "come from a YAML file (--config; flags win; engine flags only as flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -31,7 +32,7 @@ def register(sub) -> None:
 
 def _run(cfg, args) -> int:
     from eaglenest.data import PreparedData
-    from eaglenest.data.regenerate import run_regenerate
+    from eaglenest.data.regenerate import Quality, run_regenerate
     from eaglenest.engines import get_engine_module
     from eaglenest.models.target import resolve_model_path
 
@@ -51,5 +52,6 @@ def _run(cfg, args) -> int:
             batch_size=cfg.batch_size,
             limit=cfg.limit,
             max_failures=cfg.max_failures,
+            quality=Quality(cfg.loop_ngram, cfg.loop_share, cfg.drop_loops, cfg.drop_capped),
         )
     return 0 if s.failed == 0 else 1

@@ -11,17 +11,24 @@ import torch
 from eaglenest import EaglenestError
 
 
-def build_vocab(counts: torch.Tensor, k: int, always: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_vocab(counts: torch.Tensor, k: int, always: list[int] | None = None,
+                filler_excluded: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """counts [V] token frequencies -> (d2t [K] int64, t2d [V] bool).
 
-    Ties and never-seen tokens are broken deterministically by lower id first; `always` ids
-    (e.g. end-of-turn/eos) are included even when rare.
+    The K most frequent tokens, ties broken by lower id first; `always` ids (e.g. end-of-turn/eos)
+    are included even when rare.  When fewer than K tokens occur, the rest ("filler") are never-seen
+    tokens, lowest id first -- except `filler_excluded` ids (special tokens, ids no text produces:
+    setup.draft_vocab), which come only after every other never-seen token: a filler slot is one the
+    draft should learn to leave alone, and a special token's target-initialized row starts loud.
     """
     V = counts.numel()
     k = min(int(k), V)
     if k <= 0:
         raise EaglenestError(f"draft vocabulary size must be positive (got {k})")
     counts = counts.to(torch.float64).clone()
+    excl = torch.tensor([t for t in filler_excluded or [] if 0 <= t < V], dtype=torch.long)
+    if excl.numel():
+        counts[excl] = torch.where(counts[excl] > 0, counts[excl], -1.0)  # seen ones keep their count
     for t in always or []:
         if 0 <= t < V:
             counts[t] = float("inf")

@@ -253,5 +253,14 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     if k < 0:
         return None
     after = tokenizer(text[k + len(mark) :], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    special = special_token_ids(tokenizer) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})  # any added token
     return after[0] if after and after[0] in special else None
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special tokens: its named ones (bos, eos, pad, unk, mask, additional) and every
+    added token it marks special.  The one rule for "special" (the draft vocabulary's filler, DFlash's
+    default mask token, the end-of-turn probe)."""
+    ids = {int(i) for i in tokenizer.all_special_ids if i is not None}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {int(i) for i, t in added.items() if getattr(t, "special", False)}

@@ -10,6 +10,7 @@ from eaglenest.config import option
 from eaglenest.train.losses import KINDS, LossSpec, normalize_loss
 
 ATTN_CHOICES = ["auto", "eager", "chunked", "flex", "sdpa"]
+WARMUP_SHARE, WARMUP_MIN = 0.03, 8  # the default warm-up (setup.warmup_steps): this share of the run, at least this many steps
 
 
 @dataclass
@@ -58,6 +59,8 @@ class TrainConfig:
     dflash_decay: float | None = option(None, "dflash ce: block slot k weighs exp(-(k-1)/gamma); default the paper's gamma for the "
                                         "block size (7 for 16, 5 for 10, 4 for 8); 0 = no decay")
     dpace_alpha: float = option(0.5, "dflash dpace: smoothing of the draft's probabilities in the weights, in [0, 1]")
+    dflash_qk_gain: float = option(2.0, "dflash: the q/k RMSNorm gains at the start (1 = a fresh norm): sharper initial "
+                                   "attention, which the mask slots learn to aim sooner (draft/dflash.py sharpen_attention)")
     mask_token_id: int | None = option(None, "dflash: the target token whose embedding marks a masked slot (default: the "
                                        "tokenizer's mask token, else its last special token that is not a chat-template, bos, eos "
                                        "or pad token)")
@@ -65,7 +68,8 @@ class TrainConfig:
     epochs: float = option(1.0, "passes over the training split")
     max_steps: int | None = option(None, "optimizer steps (overrides --epochs)")
     lr: float = option(1e-4, "peak learning rate (AdamW, beta2 0.95)")
-    warmup_steps: int = option(0, "linear warm-up steps (0: 3% of the run)")
+    warmup_steps: int = option(0, f"linear warm-up steps (0: {WARMUP_SHARE:.0%} of the run, at least {WARMUP_MIN} "
+                              "steps and at most a quarter of it)")
     min_lr_ratio: float = option(0.1, "cosine decay floor as a fraction of --lr")
     weight_decay: float = option(0.0, "AdamW weight decay of matrices")
     grad_clip: float = option(0.5, "gradient norm clip")
@@ -86,7 +90,9 @@ class TrainConfig:
     device: str = option("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = option("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16/AMX",
                         choices=["auto", "bf16", "fp32"])
-    init_head: str = option("target", "lm_head/norm initialized from the target's rows, or random", choices=["target", "random"])
+    init_head: str = option("auto", "lm_head/norm at the start: the target's rows and final norm, zero (every logit 0: the "
+                            "first loss is ln(draft vocabulary)), or random; auto = target for eagle3, zero for dflash (train/setup.py "
+                            "init_weights)", choices=["auto", "target", "zero", "random"])
     freeze_head: bool = option(False, "keep lm_head at the target's rows (faster; EAGLE-1 style)")
     fc_init: str = option("scaled", "fc init: scaled = whitened by the aux features' RMS; high = scaled + identity on the "
                           "high aux layer; random", choices=["scaled", "high", "random"])
@@ -129,6 +135,8 @@ class TrainConfig:
         if self.serve_steps <= 0:
             raise EaglenestError(f"--serve-steps must be positive (got {self.serve_steps})")
         self.loss_spec()  # a bad --loss / --lk-eta is refused before any work
+        if not self.dflash_qk_gain > 0:
+            raise EaglenestError(f"--dflash-qk-gain must be positive (got {self.dflash_qk_gain})")
         if not 0 <= self.eval_fraction < 1:
             raise EaglenestError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction})")
         if self.prefetch < 0 or self.loader_threads < 1:
@@ -160,16 +168,23 @@ class TrainConfig:
                                  "distribution; a DFlash draft trains on hard labels (--dflash-loss ce or dpace)")
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
-        if self.freeze_head and self.init_head != "target":
-            raise EaglenestError("--freeze-head needs --init-head target (a frozen random head learns nothing)")
+        if self.freeze_head and self.head_init() != "target":
+            raise EaglenestError("--freeze-head needs --init-head target (a frozen random or zero head learns nothing; "
+                                 "--init-head auto is zero for dflash)")
         for name, allowed in (("attn_impl", ATTN_CHOICES), ("recompute", ["auto", "none", "layer"]),
-                              ("init_head", ["target", "random"]),
+                              ("init_head", ["auto", "target", "zero", "random"]),
                               ("fc_init", ["scaled", "high", "random"]), ("dtype", ["auto", "bf16", "fp32"]),
                               ("report_to", ["jsonl", "tensorboard"]), ("capture_dtype", ["bf16", "fp32"]),
                               ("draft_attention", ["gqa", "mla", "auto"])):
             if getattr(self, name) not in allowed:
                 raise EaglenestError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} (got {getattr(self, name)})")
 
+
+    def head_init(self) -> str:
+        """--init-head with auto resolved: target for EAGLE-3, zero for DFlash (setup.init_weights)."""
+        if self.init_head != "auto":
+            return self.init_head
+        return "zero" if self.draft_kind == "dflash" else "target"
 
     def loss_spec(self) -> LossSpec:
         return LossSpec.parse(self.loss, self.lk_eta)

@@ -4,7 +4,6 @@ a run is just its step number, and resuming needs no iterator state."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -16,18 +15,39 @@ from eaglenest.features import FeatureStore
 from eaglenest.train.compaction import bucketed
 
 
-def is_held_out(sample_id: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big")
-    return (h / 2**64) < fraction
+SPLIT_RULE = "prompt"  # what decides a sample's side: its normalized prompt's hash (data/prompts.py)
 
 
-def split(store: FeatureStore, eval_fraction: float) -> tuple[list[int], list[int]]:
-    train, held = [], []
-    for i, sid in enumerate(store.ids()):
-        (held if is_held_out(sid, eval_fraction) else train).append(i)
+def held_out_mask(store, eval_fraction: float, tokenizer=None) -> torch.Tensor:
+    """[N] bool: whether sample i (store order) is held out.  By content: the hash of its normalized
+    prompt (data/prompts.py) below `eval_fraction`, so samples that share a prompt (a data set's
+    duplicates, its copies with other spacing) are all on one side and the held-out statistics do
+    not score answers the draft was trained on.  Reads every sample's ids (not its hidden states);
+    nothing when eval_fraction is 0."""
+    from eaglenest.data.prompts import key_fraction, prompt_ids, prompt_key
+
+    held = torch.zeros(len(store), dtype=torch.bool)
+    if eval_fraction <= 0:
+        return held
+    for i in range(len(store)):
+        if hasattr(store, "sample"):  # online: the prepared sample (train/online.py OnlineData)
+            s = store.sample(i)
+            ids, mask = s.input_ids, s.loss_mask
+        else:
+            ids, mask = store.input_ids(i).tolist(), store.loss_mask(i).tolist()
+        held[i] = key_fraction(prompt_key(prompt_ids(ids, mask), tokenizer)) < eval_fraction
+    return held
+
+
+def split(store: FeatureStore, eval_fraction: float, tokenizer=None, held: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+    """(training, held-out) sample indices; `held` = held_out_mask's result when known (the trainer's
+    rank 0 computes it and broadcasts it)."""
+    held = held_out_mask(store, eval_fraction, tokenizer) if held is None else held
+    train = [i for i in range(len(store)) if not held[i]]
+    out = [i for i in range(len(store)) if held[i]]
     if not train:
-        train, held = held, []
-    return train, held
+        train, out = out, []
+    return train, out
 
 
 @dataclass

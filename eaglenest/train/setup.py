@@ -11,7 +11,9 @@ import torch
 from eaglenest import EaglenestError
 from eaglenest.draft import draft_model
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.vocab import build_vocab
 from eaglenest.features import FeatureStore
+from eaglenest.train.config import WARMUP_MIN, WARMUP_SHARE
 from eaglenest.train.ttt import Teacher
 from eaglenest.utils import sha256_text
 
@@ -24,6 +26,25 @@ def vocab_counts(store: FeatureStore, vocab_size: int) -> torch.Tensor:
         ids, m = store.input_ids(i).long(), store.loss_mask(i).bool()
         counts += torch.bincount(ids[m], minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def draft_vocab(counts: torch.Tensor, k: int, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's draft vocabulary (every kind): the `k` most frequent tokens of `counts`, the stop ids
+    always (eos_token_ids).  When the data holds fewer than k distinct tokens, the filler slots take
+    never-seen tokens lowest id first (a BPE vocabulary lists its merges in the order learned, most
+    frequent first) but no special token and no id past the tokenizer's last (rows no text
+    produces): their target-initialized rows start with the largest logits (SmolLM2's specials
+    ~171 where the median token has 38), and a draft that has to unlearn them first learns late."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.models.target import eos_token_ids, resolve_model_path, special_token_ids
+
+    path = resolve_model_path(model)
+    if not (path / "tokenizer_config.json").exists():  # a target without a tokenizer: no special token to know
+        return build_vocab(counts, k, always=eos_token_ids(path))
+    tok = AutoTokenizer.from_pretrained(path)
+    excluded = sorted(special_token_ids(tok) | set(range(len(tok), counts.numel())))
+    return build_vocab(counts, k, always=eos_token_ids(path, tok), filler_excluded=excluded)
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -50,11 +71,11 @@ def aux_rms(auxes, normed: bool = False) -> torch.Tensor | None:
 
 
 def build_draft(dcfg: DraftConfig, head: dict, rows: torch.Tensor, d2t, t2d, *, seed: int, init_head: str, fc_init: str,
-                fc_rms: torch.Tensor | None, freeze_head: bool) -> Eagle3Draft:
+                fc_rms: torch.Tensor | None, freeze_head: bool, qk_gain: float = 1.0) -> Eagle3Draft:
     """The draft (of `dcfg.kind`) with the run's initialization (a pure function of its arguments)."""
     torch.manual_seed(seed)
     model = draft_model(dcfg, embed_weight=head["embed"].float())
-    init_weights(model, head, rows, init_head)
+    init_weights(model, head, rows, init_head, qk_gain)
     init_fc(model, fc_init, fc_rms)
     if freeze_head:
         model.lm_head.weight.requires_grad_(False)
@@ -62,17 +83,31 @@ def build_draft(dcfg: DraftConfig, head: dict, rows: torch.Tensor, d2t, t2d, *, 
     return model
 
 
-def init_weights(model: Eagle3Draft, head: dict, rows: torch.Tensor, how: str) -> None:
+def init_weights(model: Eagle3Draft, head: dict, rows: torch.Tensor, how: str, qk_gain: float = 1.0) -> None:
+    """Linear layers N(0, 0.02); the head per `how` (TrainConfig.head_init):
+      * target: the target's lm_head rows and final norm (the EAGLE-3 head starts in the target's
+        output space: its fused input is the target's own states);
+      * zero: lm_head 0 (the norm a fresh one): every draft-vocabulary logit 0, so the first loss is
+        exactly ln(draft vocabulary).  DFlash's default: its mask slots start as the mask token's
+        embedding, which the target's norm and head read as a special token (SmolLM2: 104-128 nats
+        at the first step where uniform costs 7.6; the first full-rate steps went into undoing it);
+      * random: lm_head N(0, 0.02), norm 1.
+    A DFlash draft's q/k norms start at `qk_gain` (--dflash-qk-gain; draft/dflash.py sharpen_attention)."""
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             torch.nn.init.normal_(mod.weight, std=0.02)
-    if how == "target":
-        # start the output space where the target's is: its lm_head rows and final norm
-        with torch.no_grad():
+    if model.cfg.kind == "dflash":
+        from eaglenest.draft.dflash import sharpen_attention
+
+        sharpen_attention(model, qk_gain)
+    with torch.no_grad():
+        if how == "target":
             model.lm_head.weight.copy_(head["lm_head"].float()[rows])
             model.norm.weight.copy_(head["norm"].float())
-    elif how != "random":
-        raise EaglenestError(f"--init-head must be target or random (got {how})")
+        elif how == "zero":
+            model.lm_head.weight.zero_()
+        elif how != "random":
+            raise EaglenestError(f"--init-head must be target, zero or random (got {how})")
 
 
 @torch.no_grad()
@@ -115,6 +150,14 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: f
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=lr, betas=(0.9, 0.95), fused=fused or None)
+
+
+def warmup_steps(requested: int, total: int) -> int:
+    """--warmup-steps, or (0) the default.  A floor, because the share of a short run is one or two
+    steps, and the first full-rate steps of a fresh draft go into undoing its start."""
+    if requested:
+        return int(requested)
+    return max(1, min(max(WARMUP_MIN, int(WARMUP_SHARE * total)), total // 4))
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -29,11 +29,11 @@ from eaglenest import EaglenestError
 from eaglenest.capture.layers import require_layer_count
 from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
 from eaglenest.draft.model import DraftConfig
-from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
+from eaglenest.draft.vocab import draft_ids_to_target
 from eaglenest.features import FeatureStore
 from eaglenest.train.checkpoint import Checkpointer, SavePolicy, check_resume
 from eaglenest.train.config import RESUME_FIXED, TrainConfig
-from eaglenest.train.data import Batch, Schedule, split
+from eaglenest.train.data import SPLIT_RULE, Batch, Schedule, held_out_mask, split
 from eaglenest.train.distributed import Distributed, collective_timeout
 from eaglenest.train.loader import Prefetcher, StepData, StoreSource
 from eaglenest.train.online import (
@@ -53,10 +53,12 @@ from eaglenest.train.setup import (
     build_optimizer,
     build_scheduler,
     build_teacher,
+    draft_vocab,
     fc_input_rms,
     lr_lambda,
     store_fingerprint,
     vocab_counts,
+    warmup_steps,
 )
 from eaglenest.train.objective import make_objective
 from eaglenest.train.precision import MasterWeights
@@ -158,7 +160,7 @@ class Trainer:
             dcfg = dflash_config(dcfg, cfg)
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
-        self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(),
+        self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(), "split_by": SPLIT_RULE,
                          "target_fingerprint": tfp, "store_fingerprint": store_fingerprint(store)}
         if resuming:
             self._check_resume()
@@ -172,8 +174,8 @@ class Trainer:
         if cfg.fc_init != "random" and not resuming:  # a resumed run loads fc from its checkpoint
             fc_rms = self._fc_rms(store) if self.rank == 0 else torch.zeros(len(meta.layer_ids) * meta.hidden_size)
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
-        self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.init_head, fc_init=cfg.fc_init,
-                                 fc_rms=fc_rms, freeze_head=cfg.freeze_head).to(self.device)
+        self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.head_init(), fc_init=cfg.fc_init,
+                                 fc_rms=fc_rms, freeze_head=cfg.freeze_head, qk_gain=cfg.dflash_qk_gain).to(self.device)
         self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
             head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
             bf16=self.autocast).to(self.device)
@@ -186,7 +188,7 @@ class Trainer:
             raise EaglenestError(f"--attn-impl {self.attn_impl}: {e}") from None
 
         # data: order (Schedule) and this rank's reads (StoreSource) or captures (OnlineSource)
-        train_idx, self.eval_idx = split(store, cfg.eval_fraction)
+        train_idx, self.eval_idx = split(store, cfg.eval_fraction, held=self._held_out(store))
         self.schedule = Schedule(store.lengths(), train_idx, cfg.batch_tokens, cfg.grad_accum, cfg.seed, cfg.max_len)
         self.eval_batches = Schedule(store.lengths(), self.eval_idx, cfg.batch_tokens, 1, 0, cfg.max_len).batches[: cfg.eval_max_batches] if self.eval_idx else []
         pin = self.device_type == "cuda"
@@ -196,7 +198,7 @@ class Trainer:
             self.source = StoreSource(store, self.schedule, cfg.ttt_steps, cfg.max_len, self.rank, self.world, pin=pin)
         spe = self.schedule.steps_per_epoch
         self.total_steps = cfg.max_steps or max(1, int(round(cfg.epochs * spe)))
-        self.warmup = cfg.warmup_steps or max(1, int(0.03 * self.total_steps))
+        self.warmup = warmup_steps(cfg.warmup_steps, self.total_steps)
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 10)
         self.n_train_tokens = sum(store.lengths()[i] for i in train_idx)
 
@@ -232,6 +234,7 @@ class Trainer:
             atomic_write_json(self.out / "config.json", {
                 "train": asdict(cfg), "draft": dcfg.to_dict(), "store": meta.to_dict(), "target": str(cfg.model),
                 "identity": self.identity, "n_train_samples": len(train_idx), "n_eval_samples": len(self.eval_idx),
+                "split_by": SPLIT_RULE,
                 "n_train_tokens": self.n_train_tokens, "total_steps": self.total_steps, "steps_per_epoch": spe,
                 "world_size": self.world, "draft_vocab_coverage": self._coverage(t2d),
                 **({"online": self.online_info} if cfg.online else {}),
@@ -296,9 +299,21 @@ class Trainer:
         else:  # online: DATA's loss-masked token counts, the counts of a complete store
             counts = self.store.token_counts(tcfg.vocab_size) if self.cfg.online else vocab_counts(self.store, tcfg.vocab_size)
         self.counts = self.dist.broadcast_(counts)
-        from eaglenest.models.target import eos_token_ids, resolve_model_path
+        return draft_vocab(self.counts, self.cfg.draft_vocab, self.cfg.model)
 
-        return build_vocab(self.counts, self.cfg.draft_vocab, always=eos_token_ids(resolve_model_path(self.cfg.model)))
+    def _held_out(self, store) -> torch.Tensor:
+        """The held-out samples (train/data.py held_out_mask: by normalized prompt), found by rank 0 (the
+        other ranks read only their own samples) and broadcast."""
+        held = torch.zeros(len(store), dtype=torch.int64)
+        if self.rank == 0 and self.cfg.eval_fraction > 0:
+            from transformers import AutoTokenizer
+
+            from eaglenest.models.target import resolve_model_path
+
+            path = resolve_model_path(self.cfg.model)
+            tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+            held = held_out_mask(store, self.cfg.eval_fraction, tok).to(torch.int64)
+        return self.dist.broadcast_(held).bool()
 
     def _note_objective(self) -> None:
         """A resume may change the objective (fine-tuning with another loss): said, not refused."""
@@ -368,7 +383,8 @@ class Trainer:
                 for k in per[j]:
                     per[j][k] += stats[k][j]
         self.model.train()
-        return summarize(per, self.serve_steps)
+        # which samples these statistics (expected_tau too) are measured on: the logs and final.json say it
+        return {**summarize(per, self.serve_steps), "split": f"held-out: {len(self.eval_idx)} samples, by {SPLIT_RULE}"}
 
     # --- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -404,6 +420,7 @@ class Trainer:
                             rec["skipped"] = True  # online: none of the step's samples arrived (failures.jsonl)
                         rec.update(prefix_keys(summarize([{k: agg[k][j] for k in agg} for j in range(self.P)],
                                                          self.serve_steps), "train_"))
+                        rec["train_split"] = "train: this step's micro-batches"  # train_expected_tau's data
                         rec["tokens_per_s"] = tok_seen / max(1e-9, time.time() - t_start)
                         if self.step % self.eval_every == 0 or self.step == self.total_steps:
                             last_eval = self.evaluate()
