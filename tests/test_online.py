@@ -155,16 +155,24 @@ def poisoned_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def poisoned_data(tmp_path_factory):
-    """24 samples; 4 of them hold POISON and are long (> 40 tokens: alone in an 80-token micro-batch)."""
+    """24 samples; 4 of them hold POISON and are long (> 40 tokens: alone in an 80-token micro-batch),
+    two on each side of the train/held-out split (by their prompts' keys: the poisoned target has no
+    tokenizer files, so the key hashes the prompt's ids, train/data.py held_out_mask)."""
     from test_train import fake_samples
 
+    from eaglenest.data.prompts import key_fraction, prompt_ids, prompt_key
+
     samples = fake_samples(n=24, seed=3)
-    for s in (samples[i] for i in (2, 7, 13, 19)):
-        s.input_ids = (s.input_ids * 4)[: max(50, len(s.input_ids))]
-        s.loss_mask = [0] * 10 + [1] * (len(s.input_ids) - 10)
+    for s in samples:  # every sample's poisoned form, to choose from
+        s.poisoned = (s.input_ids * 4)[: max(50, len(s.input_ids))], [0] * 10 + [1] * (max(50, len(s.input_ids)) - 10)
+    held = [key_fraction(prompt_key(prompt_ids(*s.poisoned))) < 0.25 for s in samples]
+    pick = [i for i, h in enumerate(held) if h][:2] + [i for i, h in enumerate(held) if not h][:2]
+    for i in pick:
+        s = samples[i]
+        s.input_ids, s.loss_mask = s.poisoned
         s.input_ids[len(s.input_ids) // 2] = POISON
     d = write_data(tmp_path_factory.mktemp("poisoned_data"), samples)
-    return d, {samples[i].id for i in (2, 7, 13, 19)}
+    return d, {samples[i].id for i in pick}
 
 
 def test_failed_samples_are_skipped_counted_and_the_rest_of_their_step_trained(poisoned_target, poisoned_data, tmp_path):
