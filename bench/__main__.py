@@ -40,10 +40,12 @@ def main(argv: list[str]) -> int:
     path = HERE / f"{name}.py"
     if name in HELPERS or not path.is_file():
         raise SystemExit(f"python -m bench: no benchmark {name!r} (one of: {', '.join(benchmarks())})")
-    # the recorded command: bench/NAME.py relative to where it runs (the repository root, as documented)
-    sys.argv = [os.path.relpath(path), *rest]
+    # run under its path relative to here (the repository root, as documented): run_path makes that argv[0],
+    # so the command a result records is `python bench/NAME.py ARGS`
+    script = os.path.relpath(path)
+    sys.argv = [script, *rest]
     sys.path.insert(0, str(HERE))  # what `python bench/NAME.py` puts first, so its sibling imports resolve alike
-    runpy.run_path(str(path), run_name="__main__")
+    runpy.run_path(script, run_name="__main__")
     return 0
 
 
