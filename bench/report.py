@@ -66,7 +66,8 @@ RETIRED: dict[str, str] = {
     "demo_time_gemv.json": "the full `make demo` per stage: its note types figures (and breaks its command): re-run "
                            "bench/demo_time.py run + collect without figures in --note",
     "gemv_rows_cpu.json": "the gemv kernel vs torch by rows on AVX512-BF16 (behind rowwise.linears.GEMV_AUTO_MAX_ROWS): written from a "
-                          "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5",
+                          "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5 (the gemv_rows block "
+                          "then renders it beside the AVX2 build's, keyed by its isa)",
 }
 
 # What counts as a figure.  A plain integer of at most four digits is how the pages name ids, ranks,
