@@ -1,4 +1,5 @@
-"""Shared bits for benchmarks: machine/version info and result files."""
+"""What the benchmarks share: machine/version info, git state, the order of alternating arms, one arm
+in a child process, and result files (`python -m bench NAME` runs a benchmark: bench/__main__.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def git_state() -> dict:
         return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
+
+
+def rotations(arms, rounds: int) -> list[list]:
+    """The order of the arms in each of `rounds` rounds, rotated by one each round (two arms: A B, B A, ...),
+    so that the machine's drift (load, heat, caches) falls on every arm alike and pairs share it."""
+    arms = list(arms)
+    return [arms[i % len(arms):] + arms[:i % len(arms)] for i in range(rounds)]
 
 
 def child_result(cmd: list[str], **kw) -> dict:

@@ -54,12 +54,14 @@ def run_arm(draft: str, limit: int, linears: str, out: Path, env: dict | None = 
 def alternate(draft: str, limit: int, n_rounds: int, arms: dict[str, tuple[str, dict]]) -> tuple[list, dict]:
     """`n_rounds` rounds of every arm (name -> (--linears, extra environment)), the order alternating
     round by round (the machine drifts): (rounds [{arm: record}], the first round's outputs per arm)."""
+    from common import rotations
+
     names = list(arms)
     rounds, outputs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(n_rounds):
+        for i, order in enumerate(rotations(names, n_rounds)):
             row = {}
-            for arm in names if i % 2 == 0 else names[::-1]:
+            for arm in order:
                 row[arm], outs = run_arm(draft, limit, arms[arm][0], Path(tmp) / f"{arm}{i}.json", arms[arm][1])
                 outputs.setdefault(arm, outs)
                 print(i, arm, {k: v for k, v in row[arm].items() if k not in ("cmd", "linears")}, flush=True)

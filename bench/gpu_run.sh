@@ -73,7 +73,7 @@ run() {
 # DRY=1: the same flow on the CPU with the tiny shape (checks the script, not the GPU)
 if [ "${DRY:-0}" = 1 ]; then SHAPE=tiny; S=(128 256 512 1024 768); CAP="--shape tiny --samples 8 --min-len 32 --max-len 128 --batch-tokens 512"
 else SHAPE=llama8b; S=(2048 8192 32768 131072 65536); CAP="--shape llama8b --samples 40"; fi
-TS="bench/train_step.py --shape $SHAPE --ttt 7 --results-dir $RES"
+TS="-m bench train_step --shape $SHAPE --ttt 7 --results-dir $RES"
 ran() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 # 1. the training step's kernels on CUDA: compiled flex (compacted queries, gradients through the
 #    log-sum-exp) == eager; the fused loss's Triton kernels in bf16 == the torch path
@@ -85,7 +85,7 @@ done
 # 3. ours alone at lengths SpecForge does not fit, then the capture
 ran "seq${S[4]}" && run 110 "seq${S[4]}" "$PY" $TS --impl ours --seq "${S[4]}" --steps 2 --warmup 1 --timeout 100
 ran "seq${S[3]}" && run 160 "seq${S[3]}" "$PY" $TS --impl ours --seq "${S[3]}" --steps 2 --warmup 1 --timeout 150
-ran capture && run 100 capture "$PY" bench/capture_gpu.py $CAP --results-dir "$RES"
+ran capture && run 100 capture "$PY" -m bench capture_gpu $CAP --results-dir "$RES"
 
 # summary table (last lines of the call's output): speed, memory, and where each step's time went
 "$PY" - "$RES" <<'EOF' 2>&1 | tee "$OUT/summary.txt"

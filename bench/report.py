@@ -12,7 +12,8 @@ A page holds blocks
 
 and each NAME is a module `bench/render/NAME.py` with
 
-    FILES = ["x.json", ...]                          # result files under bench/results/
+    FILES = ["x.json", "y_*.json", ...]              # result files under bench/results/ (a pattern: every
+                                                     # file it matches, RETIRED ones aside, sorted by name)
     def render(results: dict[str, dict]) -> str      # results[file] = the parsed JSON; returns markdown
 
 A render module reads fields with `r["field"]` (a missing field raises; nothing is defaulted).  A new
@@ -65,7 +66,8 @@ RETIRED: dict[str, str] = {
     "demo_time_gemv.json": "the full `make demo` per stage: its note types figures (and breaks its command): re-run "
                            "bench/demo_time.py run + collect without figures in --note",
     "gemv_rows_cpu.json": "the gemv kernel vs torch by rows on AVX512-BF16 (behind rowwise.linears.GEMV_AUTO_MAX_ROWS): written from a "
-                          "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5",
+                          "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5 (the gemv_rows block "
+                          "then renders it beside the AVX2 build's, keyed by its isa)",
 }
 
 # What counts as a figure.  A plain integer of at most four digits is how the pages name ids, ranks,
@@ -97,6 +99,9 @@ _MARKER = re.compile(r"^([ \t]*)<!-- (/?)report:([A-Za-z0-9_]+) -->[ \t]*$")
 # A code span that is only a number (and a unit): a figure in backticks is still a figure.
 _BARE = re.compile(r"^[~≈<>≤≥=±+\-−\s]*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s?/\s?[\d.]+)?\s*"
                    r"(?:x|×|%|s|ms|min|h|[KMGT]i?B|B|tok/s|tokens/s)?$")
+
+
+_GLOB = re.compile(r"[*?\[]")
 
 
 class ReportError(Exception):
@@ -358,13 +363,19 @@ def load_module(name: str, render_dir: Path):
 def render_block(name: str, render_dir: Path, results_dir: Path, read: set[str]) -> str:
     """The markdown between the markers of block NAME (ends with a newline)."""
     mod = load_module(name, render_dir)
-    read.update(mod.FILES)
     results = {}
     for f in mod.FILES:
-        p = results_dir / f
-        if not p.is_file():
-            raise ReportError(f"render module {name}.py needs {p}, which is missing")
-        results[f] = load_result(p)
+        # a pattern lets a benchmark run on another machine add its file with no code change (the data says
+        # which machine: a render keys its rows by a field, never by the file's name)
+        names = sorted(p.name for p in results_dir.glob(f) if p.name not in RETIRED) if _GLOB.search(f) else [f]
+        if not names:
+            raise ReportError(f"render module {name}.py needs a file matching {results_dir / f}, and none does")
+        for n in names:
+            p = results_dir / n
+            if not p.is_file():
+                raise ReportError(f"render module {name}.py needs {p}, which is missing")
+            results[n] = load_result(p)
+    read.update(results)
     try:
         text = mod.render(results)
     except (KeyError, IndexError, TypeError) as e:

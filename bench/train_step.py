@@ -590,7 +590,7 @@ def ab(a) -> None:
     dtype = "bf16" if _cpu_kind() in ("amx", "avx512-bf16") else "fp32"  # the demo's auto-cpu-bf16
     flags = RECIPES[a.recipe][1] + ["--dtype", dtype, "--max-steps", str(a.steps), "--eval-every", str(a.steps), "--device", "cpu"]
     runs: dict[str, list] = {"base": [], "new": [], "control": []}
-    order = [("base", "new") if r % 2 == 0 else ("new", "base") for r in range(a.rounds)] + [("control",)]
+    order = [*common.rotations(("base", "new"), a.rounds), ["control"]]
     for r, names in enumerate(order):
         for name in names:
             out = cache / "runs" / f"{a.recipe}-{name}"

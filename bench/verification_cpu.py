@@ -62,7 +62,7 @@ def main() -> int:
 
     import torch
 
-    from common import write_result
+    from common import rotations, write_result
     from eaglenest.evaluate.mtbench import load_bench
     from eaglenest.evaluate.rowwise.attention import NAME
     from eaglenest.evaluate.rowwise.linears import set_rowwise
@@ -107,10 +107,9 @@ def main() -> int:
     runs = {s: {"tokens": 0, "wall_s": 0.0, "verify_steps": 0, "verified_tokens": 0, "same_as_plain": 0} for s in SETTINGS}
     runs["plain"] = {"tokens": 0, "wall_s": 0.0}
     runs["pad_plain"] = {"tokens": 0, "wall_s": 0.0}  # plain decoding with the pad setting's kernel
-    order = [*SETTINGS, "plain"]
-    for i, ids in enumerate(prompts):
+    for i, (ids, order) in enumerate(zip(prompts, rotations([*SETTINGS, "plain"], len(prompts)))):
         outs = {}
-        for s in order[i % len(order):] + order[: i % len(order)]:
+        for s in order:
             use("probe" if s == "plain" else s)  # plain decoding is one row per forward: untouched by the setting
             r = (plain if s == "plain" else spec).generate(ids, a.max_new_tokens)
             if s == "pad":  # its own reference: plain decoding with the padded kernel

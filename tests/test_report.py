@@ -301,3 +301,47 @@ def test_git_state_counts_code_changes_not_result_files(tmp_path):
     (tmp_path / "bench" / "new_bench.py").unlink()
     (tmp_path / "bench" / "common.py").write_text((tmp_path / "bench" / "common.py").read_text() + "\n# edited\n")
     assert common.git_state()["git_dirty"] is True
+
+
+def test_a_train_step_ab_file_of_another_cpu_kind_renders_with_no_code_change(report_module, tmp_path):
+    """The train_step_ab block renders every train_step_ab_<recipe>_<cpu kind>.json it finds, one row per
+    recipe and CPU kind, keyed by the data's `cpu_kind`: a copy of the real demo file as another kind's
+    run (what the AVX512-BF16 machine's file will be) adds its rows and nothing else changes."""
+    render_dir, results = tmp_path / "render", tmp_path / "results"
+    shutil.copytree(ROOT / "bench" / "render", render_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    results.mkdir()
+    for p in (ROOT / "bench" / "results").glob("train_step_ab_*.json"):
+        shutil.copy(p, results / p.name)
+    one = report_module.render_block("train_step_ab", render_dir, results, read := set())
+    assert read == {p.name for p in results.iterdir()} and "| CPU |" not in one
+    other = json.loads((results / "train_step_ab_demo_amx.json").read_text())
+    other["cpu_kind"], other["machine"]["cpu_model"] = "avx512bf16", "Another CPU"
+    (results / "train_step_ab_demo_avx512bf16.json").write_text(json.dumps(other))
+    two = report_module.render_block("train_step_ab", render_dir, results, read := set())
+    rows = [x for x in two.splitlines() if x.startswith("| ") and "---" not in x][1:]
+    assert "train_step_ab_demo_avx512bf16.json" in read and len(rows) == len(read) == 3
+    assert [x.split(" | ")[0] for x in rows] == ["| amx", "| avx512bf16", "| amx"]  # by recipe, then CPU kind
+    assert "Intel(R) Xeon(R) Processor (amx), Another CPU (avx512bf16)" in two
+    assert all(f"| amx {x}" in two for x in one.splitlines()[4:])  # the amx rows, unchanged but for their CPU cell
+
+
+def test_the_harness_runs_a_benchmark_as_its_own_script(tmp_path, monkeypatch, capsys):
+    """`python -m bench NAME ARGS` runs bench/NAME.py as __main__ with argv bench/NAME.py ARGS, so the command
+    its result records (bench/common.write_result) is the script's own, which report.py re-parses."""
+    spec = importlib.util.spec_from_file_location("bench_main_under_test", ROOT / "bench" / "__main__.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text('"""X measured."""\nimport sys\nif __name__ == "__main__":\n    print(sys.argv)\n')
+    (tmp_path / "bench" / "common.py").write_text('"""shared"""\n')
+    monkeypatch.setattr(harness, "HERE", tmp_path / "bench")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert harness.main(["x", "--n", "3"]) == 0
+    assert capsys.readouterr().out.strip() == "['bench/x.py', '--n', '3']"
+    assert harness.main([]) == 0 and "x " in capsys.readouterr().out and "common" not in harness.benchmarks()
+    with pytest.raises(SystemExit, match="no benchmark 'common'"):
+        harness.main(["common"])
+    p = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and "train_step" in p.stdout and "report" in p.stdout, p.stderr
