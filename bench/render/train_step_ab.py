@@ -16,7 +16,8 @@ def row(r: dict, kinds: bool) -> str:
     dn, dc = s["loss_divergence_from_base"]["new"], s["loss_divergence_from_base"]["control"]
     return ((f"| {r['cpu_kind']} " if kinds else "")
             + f"| {r['recipe']} ({d['conversations']} conversations of at most {d['max_length']:,} tokens, TTT "
-            f"{r['train_flags'][r['train_flags'].index('--ttt-steps') + 1]}, {r['train_flags'][r['train_flags'].index('--dtype') + 1]}) | "
+            f"{r['train_flags'][r['train_flags'].index('--ttt-steps') + 1]}, {r['train_flags'][r['train_flags'].index('--dtype') + 1]}, "
+            f"{r['steps']} steps) | "
             f"{s['step_s_median']['base']:.3f} → {s['step_s_median']['new']:.3f} s | **{s['speedup_median']:.2f}x** "
             f"({seq(s['speedup_per_round'])}) | {s['peak_rss_gib']['base']:.2f} → {s['peak_rss_gib']['new']:.2f} GiB | "
             f"{100 * dn['first_steps_max']:.2f} % over the first {t['first_steps']} steps; {100 * dn['window_max']:.1f} % "
@@ -32,7 +33,7 @@ def render(results: dict[str, dict]) -> str:
     return "\n".join([
         f"The training step of `eaglenest train` at commit {r['arms']['new']['commit'][:7]} vs the commit before this work "
         f"({r['arms']['base']['commit'][:7]}), paired: fresh processes in alternating order, {r['rounds']} rounds, each the "
-        f"whole run of {r['steps']} optimizer steps on real SmolLM2 features, step time the median from step {r['timed_from_step']}, "
+        f"whole training run (its optimizer steps in the recipe column) on real SmolLM2 features, step time the median from step {r['timed_from_step']}, "
         f"on {', '.join(machines)}. Losses: the largest relative difference from the base run, step by step over "
         f"the first steps, then of {r['tolerance']['window']}-step means over the run, beside a control run of the base "
         f"commit with another attention kernel (`{' '.join(r['arms']['control']['extra_flags'])}`: the same function, "
