@@ -306,7 +306,7 @@ def test_git_state_counts_code_changes_not_result_files(tmp_path):
 def test_a_train_step_ab_file_of_another_cpu_kind_renders_with_no_code_change(report_module, tmp_path):
     """The train_step_ab block renders every train_step_ab_<recipe>_<cpu kind>.json it finds, one row per
     recipe and CPU kind, keyed by the data's `cpu_kind`: a copy of the real demo file as another kind's
-    run  adds its rows and nothing else changes."""
+    run adds its rows and nothing else changes."""
     render_dir, results = tmp_path / "render", tmp_path / "results"
     shutil.copytree(ROOT / "bench" / "render", render_dir, ignore=shutil.ignore_patterns("__pycache__"))
     results.mkdir()
