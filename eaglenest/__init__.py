@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # oneDNN keeps a JIT kernel per matmul shape (up to 1024 by default, read when its first kernel is
 # built); training's variable-length batches fill it with GBs of host RAM (bench/results/
-# train_cpu_memory.json).  64 costs no speed here.  A value the user set wins.
+# git show 0c8d13e:bench/results/train_cpu_memory.json).  64 costs no speed here.  A value the user set wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 

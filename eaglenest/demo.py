@@ -29,8 +29,8 @@ PRESETS = {
         # budget holds (1,500), 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
         # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), its TTT attention then in torch's
-        # fused flash kernel (bench/results/train_attn_cpu.json), and the eval decodes in
-        # 2 processes (bench/results/eval_workers_cpu.json) through the gemv kernel (bench/results/eval_gemv_cpu.json).
+        # fused flash kernel (git show 0c8d13e:bench/results/train_attn_cpu.json), and the eval decodes in
+        # 2 processes (git show 0c8d13e:bench/results/eval_workers_cpu.json) through the gemv kernel (bench/results/eval_gemv_cpu.json).
         "samples": 1500,
         "max_length": 512,
         "ttt_steps": 3,

@@ -265,7 +265,7 @@ def auto_dtype(choice: str, device: str = "auto", engine: str = "hf") -> tuple[s
     """(dtype, why) a target runs in for `capture --dtype CHOICE` (and the demo's training).  auto =
     bf16, the dtype the engines serve, except for an in-process model on a CPU without bf16 matrix
     instructions (e.g. an AVX2-only AMD EPYC or laptop): there torch emulates bf16 matmuls and a
-    SmolLM2 prefill runs ~6x faster in fp32 (bench/results/target_dtype_cpu_no-bf16.json).  Batch-1
+    SmolLM2 prefill runs ~6x faster in fp32 (git show 0c8d13e:bench/results/target_dtype_cpu_no-bf16.json).  Batch-1
     decoding reads weights rather than multiplying, and bf16 stays faster there, so eval keeps bf16.
     Server engines keep bf16."""
     if choice != "auto":

@@ -240,7 +240,7 @@ def test_sigkill_at_several_points_then_resume_reproduces_losses(tiny_llama_dir,
 
 def test_cpu_memory_defaults_keep_user_choice_and_trim_runs():
     """`import eaglenest` caps oneDNN's kernel cache unless the user set it; the heap trim is callable
-    (glibc) or a no-op, and never raises (bench/results/train_cpu_memory.json for why)."""
+    (glibc) or a no-op, and never raises (git show 0c8d13e:bench/results/train_cpu_memory.json for why)."""
     import subprocess
     import sys
 

@@ -11,7 +11,7 @@ so K/V are never repeated per query head.  Values may be narrower or wider than 
       - `ChunkedCausal`: flash-style in plain torch (query chunks, online log-sum-exp, a
         hand-written backward that recomputes scores): no more than [chunk, T] scores exist;
       - `SdpaCausal`: torch's fused CPU flash kernel (the CPU default under bf16 autocast: faster
-        than eager in the demo's training step, bench/results/train_attn_cpu.json), with the lse
+        than eager in the demo's training step, git show 0c8d13e:bench/results/train_attn_cpu.json), with the lse
         gradient the kernel itself does not take added exactly in its backward;
       - `FlexCausal`: `torch.nn.attention.flex_attention` with a causal block mask, compiled on
         CUDA.  Lengths are padded up to a multiple of the block size and the kernel is compiled
@@ -32,7 +32,7 @@ ATTN_IMPLS = ("eager", "chunked", "flex", "sdpa")
 
 def default_attn_impl(device, autocast: bool = False) -> str:
     """flex on CUDA (compiled flash-style kernel); on the CPU torch's fused flash kernel under bf16
-    autocast (the demo's recipe, where it was measured: bench/results/train_attn_cpu.json), the
+    autocast (the demo's recipe, where it was measured: git show 0c8d13e:bench/results/train_attn_cpu.json), the
     materializing reference in fp32 (CPUs without bf16 matrix instructions, the tests' tiny drafts)."""
     if torch.device(device).type == "cuda":
         return "flex"

@@ -55,7 +55,7 @@ class EvalConfig:
     baseline_limit: int | None = option(None, "run plain decoding (speedup, greedy equivalence) on the first N prompts only")
     workers: int = option(1, "hf engine: decode the conversations in N processes (cores / N threads each); on a CPU, "
                           "batch-1 decoding is latency-bound, so 2 one-thread processes finish sooner than one 2-thread process "
-                          "(measured: bench/results/eval_workers_cpu.json)")
+                          "(measured: git show 0c8d13e:bench/results/eval_workers_cpu.json)")
     trust_remote_code: bool = option(False, "allow custom model code")
     engine_arg: list[str] = option(default_factory=list, help="an option for a non-hf engine evaluator (repeatable), "
                                    "passed as args.engine_args", metavar="KEY=VALUE")

@@ -171,7 +171,7 @@ class HFEvaluator:
     conversations are spread over N processes (each with its own copy of the target and draft,
     and cores / N threads): batch-1 decoding of a small target on a CPU is bound by per-op latency,
     not by the cores, so two 1-thread processes decode more tokens/s than one 2-thread process
-    (bench/results/eval_workers_cpu.json).
+    (git show 0c8d13e:bench/results/eval_workers_cpu.json).
     Each conversation is decoded exactly as with one process; only the thread count differs."""
 
     def __init__(self, args):

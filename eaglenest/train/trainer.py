@@ -67,7 +67,7 @@ from eaglenest.utils import atomic_write_json, progress, read_json, release_free
 
 __all__ = ["ARGMAX_CACHE_TOKENS", "TrainConfig", "Trainer", "estimate_activation_bytes", "lr_lambda", "summarize"]
 
-TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stays ~1/3 (train_cpu_memory.json)
+TRIM_EVERY = 20  # CPU steps between heap trims: ~2 % of the step time, RSS stays ~1/3 (git show 0c8d13e:bench/results/train_cpu_memory.json)
 ARGMAX_CACHE_TOKENS = 1 << 28  # tokens: 1 GiB of int32 argmax (+1 GiB of fp32 log-mass for alpha losses): beyond, later epochs recompute
 
 

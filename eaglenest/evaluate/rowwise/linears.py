@@ -37,7 +37,7 @@ def _linear_by_kernel(module: torch.nn.Linear, max_rows: int, x: torch.Tensor, f
         return gemv.linear(x, module.weight, module.bias)
     if fp32_prefill and x.dtype == torch.bfloat16:
         # a long prefill where torch emulates bf16 GEMMs (no AMX / AVX512-BF16): the same bf16 values in an
-        # fp32 GEMM, rounded back: faster there (the demo's eval: bench/results/eval_prefill_cpu_avx2.json)
+        # fp32 GEMM, rounded back: faster there (the demo's eval: git show 0c8d13e:bench/results/eval_prefill_cpu_avx2.json)
         b = None if module.bias is None else module.bias.float()
         return F.linear(x.float(), module.weight.float(), b).to(x.dtype)
     return F.linear(x, module.weight, module.bias)  # long prefills: the GEMM, shared by both decoders
