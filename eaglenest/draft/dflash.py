@@ -19,7 +19,7 @@ rope; embeddings frozen and shared with the target (the MASK slot is the target'
 0.32's DFlash loader maps too).  Parameter names are exactly those of the checkpoint vLLM 0.32
 loads (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`); see export/dflash.py.
 
-The pieces shared with the EAGLE-3 head come from draft/model.py (RMSNorm, Rotary, apply_rope,
+The pieces shared with the EAGLE-3 head come from draft/layers.py (RMSNorm, Rotary, apply_rope,
 MLP) and draft/kernels.py (`block_attention`, used by training and decoding alike).
 """
 
@@ -32,7 +32,8 @@ import torch.nn as nn
 
 from eaglenest import EaglenestError
 from eaglenest.draft.kernels import block_attention
-from eaglenest.draft.model import MLP, DraftConfig, DraftVocab, Rotary, RMSNorm, apply_rope
+from eaglenest.draft.layers import MLP, Rotary, RMSNorm, apply_rope
+from eaglenest.draft.model import DraftConfig, DraftVocab
 
 
 class DFlashAttention(nn.Module):
