@@ -200,7 +200,7 @@ def test_foreign_dflash_draft_without_a_head_is_read_judged_and_loaded(smollm2, 
     from safetensors.torch import save_file
 
     from eaglenest.export.check import judge_draft
-    from eaglenest.export.dflash import expected_tensors
+    from eaglenest.kinds.dflash import expected_tensors
     from eaglenest.export.format import load_draft, read_draft_config
     from eaglenest.models.target import load_config
 

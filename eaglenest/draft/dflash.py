@@ -17,9 +17,9 @@ is every earlier position.  Qwen3-style layers (per-head q/k RMSNorm, no bias) w
 rope; embeddings frozen and shared with the target (the MASK slot is the target's embedding of
 `cfg.mask_token_id`); lm_head over a reduced draft vocabulary (d2t/t2d as in EAGLE-3, which vLLM
 0.32's DFlash loader maps too).  Parameter names are exactly those of the checkpoint vLLM 0.32
-loads (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`); see export/dflash.py.
+loads (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`); see kinds/dflash.py.
 
-The pieces shared with the EAGLE-3 head come from draft/model.py (RMSNorm, Rotary, apply_rope,
+The pieces shared with the EAGLE-3 head come from draft/layers.py (RMSNorm, Rotary, apply_rope,
 MLP) and draft/kernels.py (`block_attention`, used by training and decoding alike).
 """
 
@@ -30,9 +30,9 @@ import math
 import torch
 import torch.nn as nn
 
-from eaglenest import EaglenestError
 from eaglenest.draft.kernels import block_attention
-from eaglenest.draft.model import MLP, DraftConfig, DraftVocab, Rotary, RMSNorm, apply_rope
+from eaglenest.draft.layers import MLP, Rotary, RMSNorm, apply_rope
+from eaglenest.draft.model import DraftConfig, DraftVocab
 
 
 class DFlashAttention(nn.Module):
@@ -98,61 +98,9 @@ def sharpen_attention(model: "DFlashDraft", gain: float) -> None:
             layer.self_attn.k_norm.weight.fill_(gain)
 
 
-def check_dflash_config(cfg: DraftConfig) -> None:
-    """A DFlash config that cannot be trained, served or exported is refused here, by field."""
-    if cfg.kind != "dflash":
-        raise EaglenestError(f"internal: a {cfg.kind} config given to the DFlash draft")
-    if cfg.block_size < 2:
-        raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {cfg.block_size}")
-    if cfg.num_hidden_layers < 1:
-        raise EaglenestError(f"--draft-layers must be at least 1, got {cfg.num_hidden_layers}")
-    if not cfg.aux_layer_ids:
-        raise EaglenestError("a DFlash draft needs at least one target layer")
-    if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
-        raise EaglenestError(f"DFlash mask_token_id {cfg.mask_token_id} is not a token id of the target (0..{cfg.vocab_size - 1})")
-
-
-def default_mask_token_id(model) -> int:
-    """The MASK slot's token when none is given: the tokenizer's own mask token, else its last
-    special token that no chat turn contains and that is not bos/eos/pad/unk (SmolLM2: 16,
-    <empty_output>).  Its embedding is the target's, frozen: what matters is that a real anchor
-    never looks like a mask slot, so a token that never occurs in text is the right one."""
-    from eaglenest.models.target import load_tokenizer, special_token_ids
-
-    tok = load_tokenizer(model)
-    if tok.mask_token_id is not None:
-        return int(tok.mask_token_id)
-    used = {getattr(tok, f"{n}_token_id") for n in ("bos", "eos", "pad", "unk")}
-    try:
-        text = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                                        {"role": "assistant", "content": "a"}], tokenize=False)
-        used |= set(tok(text, add_special_tokens=True)["input_ids"])
-    except Exception:  # noqa: BLE001 -- a tokenizer without a chat template: bos/eos/pad/unk only
-        pass
-    special = sorted(i for i in special_token_ids(tok) if i not in used and i < len(tok))
-    if not special:
-        raise EaglenestError(f"{model}: the tokenizer has no mask token and no unused special token: pass --mask-token-id "
-                             "(a token id that never occurs in the data)")
-    return special[-1]
-
-
-def dflash_config(base: DraftConfig, opts) -> DraftConfig:
-    """The DFlash config of a run: `base` (the target's shape and vocabulary, DraftConfig.from_target)
-    with the kind and the block options of `opts` (TrainConfig: block_size, draft_layers,
-    mask_token_id, model)."""
-    from dataclasses import replace
-
-    mask = opts.mask_token_id if opts.mask_token_id is not None else default_mask_token_id(opts.model)
-    cfg = replace(base, kind="dflash", block_size=int(opts.block_size), num_hidden_layers=int(opts.draft_layers),
-                  mask_token_id=int(mask))
-    check_dflash_config(cfg)
-    return cfg
-
-
 class DFlashDraft(DraftVocab, nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
-        super().__init__()
-        check_dflash_config(cfg)
+        super().__init__()  # the config is checked by its kind (kinds/dflash.py check_dflash_config)
         self.cfg = cfg
         H = cfg.hidden_size
         self.register_vocab(cfg, embed_weight)  # the target's embeddings (frozen), d2t/t2d

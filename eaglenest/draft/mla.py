@@ -11,7 +11,7 @@ training-time test with its diagonal) and the same input x = [norm(embed) ; norm
 
 Decoding keeps only the latent per position (kv_lora_rank + qk_rope_head_dim values, as the
 engines' MLA cache does) and expands it with kv_b_proj at attention time.  Training expands it
-at once and runs the shared TTT attention (`model.ttt_attention`; the kernels take a value width
+at once and runs the shared TTT attention (`layers.ttt_attention`; the kernels take a value width
 different from the query/key width).
 
 Conventions read from the engines (vLLM 0.32 `deepseek_v2.py` DeepseekV2MLAAttention, SGLang
@@ -20,18 +20,22 @@ build with a 2H input): the rope is the interleaved (GPT-J) rotation (`is_neox_s
 the softmax scale is (nope + rope)^-0.5 times yarn_mscale(factor, mscale_all_dim)^2 for a YaRN
 rope; the weight names are DeepSeek's (`q_a_proj`, `q_a_layernorm`, `q_b_proj`,
 `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`), which both loaders fuse or split
-themselves (export/format.py).
+themselves (kinds/eagle3.py).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from eaglenest.draft.kernels import eager_attention
-from eaglenest.draft.model import DraftConfig, RMSNorm, cache_append, ttt_attention
+from eaglenest.draft.layers import RMSNorm, cache_append, ttt_attention
+
+if TYPE_CHECKING:
+    from eaglenest.draft.model import DraftConfig
 
 
 def yarn_mscale(rope_parameters: dict) -> float:
@@ -44,7 +48,7 @@ def yarn_mscale(rope_parameters: dict) -> float:
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-J style rotation of pairs (0,1), (2,3), ... (DeepSeek's MLA rope; vLLM is_neox_style=False).
-    x [B, heads, T, d]; cos/sin [B, T, d] in the rotate-half layout `model.Rotary` returns."""
+    x [B, heads, T, d]; cos/sin [B, T, d] in the rotate-half layout `layers.Rotary` returns."""
     half = x.shape[-1] // 2
     c, s = cos[..., :half].unsqueeze(1).to(x.dtype), sin[..., :half].unsqueeze(1).to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -101,7 +105,7 @@ class MLAAttention(nn.Module):
         return self._out(eager_attention(q, k, v, mask, (), self.scale)), (latent,)
 
     def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
-        """Training-time test (see `model.ttt_attention`) on the expanded keys and values."""
+        """Training-time test (see `layers.ttt_attention`) on the expanded keys and values."""
         q, latent = self._project(x, cos, sin)
         o, kv = ttt_attention(q, *self._expand(latent), ctx_kv, diag_kv, kernel, self.scale, rows)
         return self._out(o), kv

@@ -120,11 +120,11 @@ def run_eval(args) -> dict:
     eos_list = sorted(eos)
     aux_ids, draft_vocab = None, None
     draft_dir = Path(a.draft)
-    if (draft_dir / "config.json").exists():
-        from eaglenest.evaluate.run import check_draft_fits
-        from eaglenest.export.format import read_draft_config
+    d = getattr(a, "draft_dir", None)  # read once by evaluate()
+    if d is not None or (draft_dir / "config.json").exists():
+        from eaglenest.evaluate.run import check_draft_fits, read_draft_dir
 
-        _, dcfg = read_draft_config(draft_dir)
+        dcfg = read_draft_dir(d or draft_dir).cfg
         if not dcfg.aux_layer_ids:
             dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
         check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")

@@ -103,11 +103,10 @@ def run_eval(args) -> dict:
     from eaglenest.engines.server import ServerProcess
     from eaglenest.engines.vllm import find_vllm_python, finish_generated, model_card, server_command, start_server
     from eaglenest.evaluate.run import (
-        chat_prompt_ids, check_draft_fits, draft_sampling, finish_report, load_prompts, merge_server_baseline, report_header,
-        run_conversations,
+        chat_prompt_ids, check_draft_fits, draft_sampling, finish_report, load_prompts, merge_server_baseline, read_draft_dir,
+        report_header, run_conversations,
     )
     from eaglenest.engines.vllm_fixes import reported
-    from eaglenest.export.format import read_draft_config
     from eaglenest.models.target import eos_token_ids, load_tokenizer, resolve_model_path
 
     a = args
@@ -128,10 +127,8 @@ def run_eval(args) -> dict:
     path = resolve_model_path(a.model)
     tok = load_tokenizer(a.model, getattr(a, "trust_remote_code", False))
     tcfg = _target_config(path)
-    draft_dir = Path(a.draft).resolve()
-    if not (draft_dir / "config.json").exists():
-        raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
-    _, dcfg = read_draft_config(draft_dir)
+    d = read_draft_dir(getattr(a, "draft_dir", None) or Path(a.draft).resolve())  # read once by evaluate()
+    draft_dir, dcfg = d.path.resolve(), d.cfg
     if not dcfg.aux_layer_ids:
         dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
     check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")
@@ -144,7 +141,7 @@ def run_eval(args) -> dict:
     max_len = int(ea.get("max_model_len") or min(int(getattr(tcfg, "max_position_embeddings", 4096) or 4096), 4096))
     extra = [ea["server_arg"]] if ea.get("server_arg") else []
     startup = float(ea.get("startup_timeout", 600))
-    spec_cfg = {"method": "dflash" if dcfg.kind == "dflash" else "eagle3", "model": str(draft_dir), "num_speculative_tokens": steps}
+    spec_cfg = {"method": d.kind.vllm_method, "model": str(draft_dir), "num_speculative_tokens": steps}
     if temp > 0:  # how vLLM drafts at temperature > 0, as --draft-sampling says (vLLM's own default: greedy)
         spec_cfg["draft_sample_method"] = "probabilistic" if draft_sampling(a) == "sample" else "greedy"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from eaglenest import EaglenestError
+from eaglenest.kinds.registry import get as get_kind
 from eaglenest.utils import keep_freed_heap
 
 DTYPES = ("bf16", "fp32", "fp16")
@@ -85,27 +86,28 @@ def check_draft_fits(cfg, target_config, where: str = "draft") -> None:
         raise EaglenestError(f"{where} draft vocabulary ({cfg.draft_vocab_size}) is larger than the target's ({V})")
     if cfg.target_num_layers and cfg.target_num_layers != N:
         raise EaglenestError(f"{where} was trained for a {cfg.target_num_layers}-layer target, this target has {N} layers")
-    ids = list(cfg.aux_layer_ids)
-    if cfg.kind == "dflash":  # any number of target layers, each a decoder layer's input (capture-before 1..N-1)
-        if not ids or any(not 1 <= k < N for k in ids) or sorted(set(ids)) != ids:
-            raise EaglenestError(f"{where} target layers {ids} do not fit a {N}-layer target (increasing capture-before ids in 1..{N - 1})")
-        return
-    if len(ids) != 3 or any(not 0 <= k < N for k in ids):
-        raise EaglenestError(
-            f"{where} aux layer ids {ids} do not fit a {N}-layer target (three capture-before ids in 0..{N - 1})"
-        )
+    get_kind(cfg.kind).check_fits(cfg, N, where)  # the kind's target layers (EAGLE-3: three; DFlash: any)
 
 
-def check_draft_dir(draft_dir, target_config) -> None:
-    """Check a draft directory's config against the target's config (before loading any weights)."""
-    from eaglenest.export.format import read_draft_config, resolve_aux_layers
+def read_draft_dir(draft, num_layers: int | None = None):
+    """The draft directory read once (export/format.py DraftDir), refused without a config.json;
+    `draft` may already be one.  With `num_layers`, its layer ids resolved for that target."""
+    from eaglenest.export.format import DraftDir, read_draft
 
-    draft_dir = Path(draft_dir)
-    if not (draft_dir / "config.json").exists():
-        raise EaglenestError(f"--draft {draft_dir}: no config.json (not an exported draft directory)")
-    raw, cfg = read_draft_config(draft_dir)
-    resolve_aux_layers(raw, cfg, target_config.num_hidden_layers)  # ids omitted or in another trainer's form
-    check_draft_fits(cfg, target_config, where=f"draft {draft_dir}")
+    if not isinstance(draft, DraftDir):
+        draft = Path(draft)
+        if not (draft / "config.json").exists():
+            raise EaglenestError(f"--draft {draft}: no config.json (not an exported draft directory)")
+        draft = read_draft(draft)
+    return draft if num_layers is None else draft.resolve(num_layers)  # ids omitted or in another trainer's form
+
+
+def check_draft_dir(draft_dir, target_config):
+    """Check a draft directory's config against the target's config (before loading any weights);
+    returns the DraftDir."""
+    d = read_draft_dir(draft_dir, target_config.num_hidden_layers)
+    check_draft_fits(d.cfg, target_config, where=f"draft {d.path}")
+    return d
 
 
 def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
@@ -113,10 +115,11 @@ def load_draft_for_target(draft_dir, target, device: str, dtype) -> "object":
     from eaglenest.draft.vocab import check_vocab
     from eaglenest.export.format import load_draft
 
-    check_draft_dir(draft_dir, target.config)
+    d = check_draft_dir(draft_dir, target.config)
+    draft_dir = d.path
     emb = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
-    draft = load_draft(draft_dir, embed_weight=emb, target_config=target.config, device=device, dtype=dtype,
+    draft = load_draft(d, embed_weight=emb, target_config=target.config, device=device, dtype=dtype,
                        lm_head_weight=None if head is None else head.weight)
     check_draft_fits(draft.cfg, target.config, where=f"draft {draft_dir}")
     why = check_vocab(draft.d2t.cpu(), draft.t2d.cpu())
@@ -182,7 +185,7 @@ class HFEvaluator:
         that depend on what was loaded."""
         import torch
 
-        from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder, resolve_num_draft_tokens
+        from eaglenest.evaluate.specdec import PlainDecoder, resolve_num_draft_tokens
         from eaglenest.evaluate.verification import prepare, resolve_attention
         from eaglenest.models.target import eos_token_ids, load_target, load_tokenizer, resolve_model_path
         from eaglenest.utils import resolve_device
@@ -203,16 +206,12 @@ class HFEvaluator:
             print(f"eval: verification is not bit-identical to plain decoding on this machine "
                   f"({verification['probe_result']['end_to_end'][-1]['first_difference']}): greedy outputs may "
                   f"differ from plain greedy at near-ties", file=sys.stderr)
-        draft = load_draft_for_target(a.draft, target, device, tdtype)
+        draft = load_draft_for_target(getattr(a, "draft_dir", None) or a.draft, target, device, tdtype)
         self.eos = eos = set(eos_token_ids(resolve_model_path(a.model), tok))
         temp = float(a.temperature)
-        if draft.cfg.kind == "dflash":  # a block per round; steps = block_size - 1 (resolve_draft_steps)
-            from eaglenest.evaluate.dflash import DFlashDecoder
-
-            self.spec = DFlashDecoder(target, draft, eos, temperature=temp, seed=a.seed)
-        else:
-            self.spec = SpecDecoder(target, draft, eos, steps=a.steps, topk=a.topk, num_draft_tokens=ndt, temperature=temp,
-                                    seed=a.seed, draft_sampling=draft_sampling(a))
+        # the kind's decoder (DFlash: a block per round, steps = block_size - 1: resolve_draft_steps)
+        self.spec = get_kind(draft.cfg.kind).decoder(target, draft, eos, a, num_draft_tokens=ndt, temperature=temp,
+                                                     draft_sampling=draft_sampling(a))
         self.plain = None if a.no_baseline else PlainDecoder(target, eos, temperature=temp, seed=a.seed)
         # warm-up (first calls of the CPU kernels pay one-time setup): not timed, not reported
         warm = chat_prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
@@ -273,7 +272,7 @@ class HFEvaluator:
         ndt = resolve_num_draft_tokens(a.steps, a.topk, a.num_draft_tokens)  # fail before loading anything
         dataset, prompts = load_prompts(a)
         path = resolve_model_path(a.model)
-        check_draft_dir(a.draft, load_config(a.model, a.trust_remote_code))  # fail before loading weights
+        check_draft_dir(getattr(a, "draft_dir", None) or a.draft, load_config(a.model, a.trust_remote_code))  # fail before loading weights
         resolve_device(a.device)  # a device that is not there: one error here, not one per worker
         workers = max(1, min(int(getattr(a, "workers", 1) or 1), len(prompts)))
         pool = None
@@ -508,11 +507,14 @@ def evaluate(args) -> dict:
     if args.engine == "sglang" and float(args.temperature) > 0 and draft_sampling(args) != "argmax":
         raise EaglenestError("SGLang verifies the draft's argmax (top-k) candidates at temperature > 0, never tokens "
                              "sampled from the draft: pass --draft-sampling argmax with --engine sglang")
-    resolve_draft_steps(args)
     from eaglenest.export.check import assert_draft_ok
 
-    if (Path(args.draft) / "config.json").exists():  # a server engine's draft may live on the server only
-        for w in assert_draft_ok(args.draft, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
+    # the draft directory is read here once; the evaluators take `args.draft_dir` (None: a server engine's draft
+    # that lives on the server only)
+    args.draft_dir = read_draft_dir(args.draft) if (Path(args.draft) / "config.json").exists() else None
+    resolve_draft_steps(args)
+    if args.draft_dir is not None:
+        for w in assert_draft_ok(args.draft_dir, args.model, engines=(args.engine,), weights=False):  # as this engine reads it
             print(f"warning: {w}", file=sys.stderr)
     t0 = time.perf_counter()
     report = evs[args.engine](args)
@@ -539,26 +541,18 @@ DEFAULT_STEPS = 3  # an EAGLE draft's chain when --steps is not given
 
 def resolve_draft_steps(args) -> None:
     """Set args.steps (every evaluator reads it): `--steps` as given, else the draft's default --
-    3, or block_size - 1 for a DFlash draft, which drafts one block per round in a chain.  A DFlash
-    draft refuses any other --steps: a shorter block would not be the function it was trained as."""
-    from eaglenest.export.format import is_dflash, read_draft_config
-
+    3, or what its kind says (a DFlash draft: block_size - 1, one block per round in a chain; it
+    refuses any other --steps: a shorter block would not be the function it was trained as)."""
     given = args.steps
     args.steps = DEFAULT_STEPS if given is None else int(given)
-    if not (Path(args.draft) / "config.json").exists():
-        return
-    raw, cfg = read_draft_config(args.draft)
-    if not is_dflash(raw):
-        return
-    n = cfg.block_size - 1
-    if int(args.topk) != 1:
-        raise EaglenestError(f"a DFlash draft proposes one block per round (a chain): --topk must be 1 (got {args.topk})")
-    if given is not None and int(given) != n:
-        raise EaglenestError(f"--draft {args.draft}: a DFlash draft with block_size {cfg.block_size} drafts {n} tokens per "
-                             f"round; --steps {given} cannot be run with it (pass --steps {n} or leave it out)")
-    if args.num_draft_tokens not in (None, n + 1):
-        raise EaglenestError(f"a DFlash draft verifies block_size = {n + 1} tokens per round (got --num-draft-tokens {args.num_draft_tokens})")
-    args.steps = n
+    d = getattr(args, "draft_dir", None)
+    if d is None:
+        if not (Path(args.draft) / "config.json").exists():
+            return
+        d = read_draft_dir(args.draft)
+    steps = d.kind.eval_steps(args, d.cfg, given)
+    if steps is not None:
+        args.steps = steps
 
 
 def format_table(r: dict) -> str:

@@ -18,7 +18,7 @@ def register(sub) -> None:
         description="Write RUN_DIR's latest checkpoint as DRAFT_DIR/config.json + model.safetensors: the EAGLE-3 "
         "layout both SGLang and vLLM load (fc, midlayer.*, norm, lm_head, d2t, t2d; bf16; no embed_tokens), or a DFlash "
         "draft in the layout vLLM 0.32 loads with method \"dflash\" (DFlashDraftModel: fc, hidden_norm, layers.N.*, norm, "
-        "lm_head, d2t; export/dflash.py; checked for vLLM by default: SGLang serves DFlash on GPUs only, with the "
+        "lm_head, d2t; kinds/dflash.py; checked for vLLM by default: SGLang serves DFlash on GPUs only, with the "
         "target's lm_head). "
         "Aux layer ids are written so that each engine captures the trained layers on this target's class "
         "(docs/sglang.md); a layer set an engine cannot express is refused with the reason. "
@@ -43,11 +43,12 @@ def _export(cfg, args) -> int:
     from eaglenest.export.check import assert_draft_ok
     from eaglenest.export.layer_ids import ENGINES
     from eaglenest.export.run import export_run
+    from eaglenest.kinds.registry import get as get_kind
     from eaglenest.utils import read_json
 
     rc = read_json(Path(cfg.run) / "config.json", "run config")
-    dflash = (rc.get("draft") or {}).get("kind") == "dflash"
-    engines = tuple(cfg.engine or (("vllm",) if dflash else ENGINES))
+    kind = get_kind((rc.get("draft") or {}).get("kind"))
+    engines = tuple(cfg.engine or kind.default_engines or ENGINES)  # DFlash: vLLM (SGLang serves it on GPUs only)
     out = export_run(cfg.run, cfg.out, engines)
     model = cfg.model or rc["target"]
     for w in assert_draft_ok(out, model, engines=(*engines, "hf")):

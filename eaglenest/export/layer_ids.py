@@ -190,37 +190,3 @@ def trained_layers(config: dict, n: int) -> tuple[list[int], str]:
     if w:
         return [k + 1 for k in w], f"eagle_config ids {w} read as output-of (SpecForge/TorchSpec convention)"
     return default_layer_ids(n), "no ids in the config: the canonical layers"
-
-
-# --- DFlash -------------------------------------------------------------------------------------
-# Both engines read a DFlash draft's `dflash_config.target_layer_ids` output-of (id i = the output
-# of target layer i) and capture before layer i + 1, whatever the target class: vLLM 0.32
-# (gpu_model_runner._get_eagle3_aux_layers_from_config: `i + 1`, read only when no top-level
-# eagle_aux_hidden_state_layer_ids is present; the layer loop captures before layers 0..N) and
-# SGLang 0.5.23 (set_dflash_layers_to_capture in llama.py / qwen3.py: `val + 1`;
-# dflash_utils.resolve_target_layer_ids refuses ids outside 0..N-1).
-# target classes whose SGLang 0.5.23 model file defines set_dflash_layers_to_capture with that
-# `val + 1` rule (llama.py, also Mistral's; qwen3.py; qwen3_moe.py; deepseek_v2.py, also Kimi-K2 and
-# Kimi-K2.5; glm4_moe_lite.py; gpt_oss.py); qwen2.py, qwen2_moe.py, glm4_moe.py, minimax_m2.py,
-# gemma3_causal.py define none: SGLang cannot serve a DFlash draft on those targets.
-SGLANG_DFLASH_CLASSES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM",
-})
-
-
-def dflash_target_layer_ids(trained: list[int], n: int) -> list[int]:
-    """The `dflash_config.target_layer_ids` that make both engines capture exactly `trained`
-    (capture-before ids 1..N-1 for an N-layer target: eaglenest captures and decodes at a decoder
-    layer's input, so the last layer's output, id N, is not offered); refused otherwise."""
-    bad = [k for k in trained if not 1 <= k <= n - 1]
-    if bad or sorted(set(trained)) != list(trained):
-        raise EaglenestError(f"DFlash target layers {list(trained)} (capture-before): must be strictly increasing ids in 1..{n - 1} "
-                             f"for a {n}-layer target (dflash_config.target_layer_ids = id - 1)")
-    return [k - 1 for k in trained]
-
-
-def dflash_trained_layers(config: dict) -> list[int]:
-    """The capture-before layers a DFlash draft's config makes the engines capture (see above)."""
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids") or []
-    return [int(i) + 1 for i in ids]

@@ -11,6 +11,7 @@ from eaglenest.draft import draft_model
 from eaglenest.draft.model import DraftConfig
 from eaglenest.export.format import save_draft
 from eaglenest.export.layer_ids import ENGINES
+from eaglenest.kinds.registry import get as get_kind
 from eaglenest.utils import read_json
 
 
@@ -40,8 +41,7 @@ def export_run(run: Path | str, out: Path | str, engines=ENGINES) -> Path:
         "target": rc.get("target"),
         "target_fingerprint": rc.get("store", {}).get("target_fingerprint"),
         "trained_steps": read_json(ck / "trainer_state.json")["step"],
-        **({"ttt_steps": rc["train"]["ttt_steps"]} if cfg.kind == "eagle3" else
-           {"dflash_anchors": rc["train"].get("dflash_anchors"), "dflash_loss": rc["train"].get("dflash_loss")}),
+        **get_kind(cfg.kind).export_extra(rc["train"]),
         "held_out": final.get("eval"),
     }
     return save_draft(model, out, extra, engines)

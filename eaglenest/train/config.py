@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from eaglenest import EaglenestError
 from eaglenest.config import option
+from eaglenest.kinds.registry import get as get_kind
+from eaglenest.kinds.registry import names as _draft_kinds
 from eaglenest.train.losses import KINDS, LossSpec, normalize_loss
 
 ATTN_CHOICES = ["auto", "eager", "chunked", "flex", "sdpa"]
@@ -38,7 +40,7 @@ class TrainConfig:
                                    "torchrun every rank stops together: --dist-timeout is set above it")
     draft_kind: str = option("eagle3", "the draft to train: eagle3 (one layer, chain/tree drafting step by step, training-time "
                              "test) or dflash (a block drafter, arXiv 2602.06036: --draft-layers layers over the target states of "
-                             "the store's layers, one forward per block of --block-size tokens)", choices=["eagle3", "dflash"])
+                             "the store's layers, one forward per block of --block-size tokens)", choices=_draft_kinds)
     ttt_steps: int = option(7, "eagle3: unrolled draft steps (k) of training-time test")
     loss: str = option("ce", f"training loss: one of {', '.join(KINDS)} or a weighted mix 'ce:0.1,tv:0.9' (YAML: the same "
                        "string). ce = soft cross-entropy against the target renormalized over the draft vocabulary; tv = "
@@ -153,19 +155,9 @@ class TrainConfig:
         if self.online and self.dist_timeout and self.dist_timeout <= self.online_timeout:
             raise EaglenestError(f"--dist-timeout {self.dist_timeout:g} must exceed --online-timeout {self.online_timeout:g}: "
                                  "a rank waits that long for a slow one before every rank stops with a checkpoint")
-        if self.draft_kind not in ("eagle3", "dflash"):
-            raise EaglenestError(f"--draft-kind must be eagle3 or dflash (got {self.draft_kind})")
-        if self.draft_kind == "eagle3" and self.draft_layers != 1:
-            raise EaglenestError(f"--draft-layers {self.draft_layers}: an EAGLE-3 draft has one layer (the engines normalize the "
-                                 "input of deeper layers differently, draft/shape.py); use --draft-kind dflash for several")
-        if self.draft_kind == "dflash" and self.block_size < 2:
-            raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {self.block_size}")
-        if self.draft_kind == "dflash" and (self.fc_norm or self.norm_output or self.draft_attention != "gqa"):
-            raise EaglenestError("--fc-norm, --norm-output and --draft-attention mla are EAGLE-3 draft options; a DFlash draft "
-                                 "has none of them (vLLM 0.32's DFlash model reads neither)")
-        if self.draft_kind == "dflash" and self.loss != "ce":
-            raise EaglenestError(f"--loss {self.loss}: the acceptance losses train the EAGLE-3 head against the target's "
-                                 "distribution; a DFlash draft trains on hard labels (--dflash-loss ce or dpace)")
+        if self.draft_kind not in _draft_kinds():
+            raise EaglenestError(f"--draft-kind must be {' or '.join(_draft_kinds())} (got {self.draft_kind})")
+        get_kind(self.draft_kind).check_train_options(self)  # what this kind cannot train
         if self.resume and self.overwrite:
             raise EaglenestError("--resume and --overwrite exclude each other")
         if self.freeze_head and self.head_init() != "target":
@@ -181,10 +173,10 @@ class TrainConfig:
 
 
     def head_init(self) -> str:
-        """--init-head with auto resolved: target for EAGLE-3, zero for DFlash (setup.init_weights)."""
+        """--init-head with auto resolved: the draft kind's (EAGLE-3: target, DFlash: zero; setup.init_weights)."""
         if self.init_head != "auto":
             return self.init_head
-        return "zero" if self.draft_kind == "dflash" else "target"
+        return get_kind(self.draft_kind).default_init_head
 
     def loss_spec(self) -> LossSpec:
         return LossSpec.parse(self.loss, self.lk_eta)

@@ -250,11 +250,8 @@ def dpace_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.T
 
 
 def make_objective(cfg, dcfg, *, teacher, device: str, autocast: bool, attn, recompute, argmax_room: int):
-    """The objective of the draft's kind, from the run's TrainConfig and DraftConfig."""
-    if dcfg.kind == "dflash":
-        return DFlashObjective(dcfg.block_size, cfg.dflash_anchors, seed=cfg.seed, device=device, autocast=autocast,
-                               decay=cfg.dflash_decay, loss=cfg.dflash_loss, dpace_alpha=cfg.dpace_alpha,
-                               logits_chunk=cfg.logits_chunk)
-    return Eagle3Objective(teacher, cfg.ttt_steps, device=device, autocast=autocast, attn=attn, logits_chunk=cfg.logits_chunk,
-                           recompute=recompute, argmax_room=argmax_room, loss=cfg.loss_spec(), step_decay=cfg.step_decay)
+    """The objective of the draft's kind (its module builds it), from the run's TrainConfig and DraftConfig."""
+    from eaglenest.kinds.registry import get
 
+    return get(dcfg.kind).objective(cfg, dcfg, teacher=teacher, device=device, autocast=autocast, attn=attn,
+                                    recompute=recompute, argmax_room=argmax_room)

@@ -12,6 +12,7 @@ from eaglenest import EaglenestError
 from eaglenest.draft import draft_model
 from eaglenest.draft.model import DraftConfig, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
+from eaglenest.kinds.registry import get as get_kind
 from eaglenest.features import FeatureStore
 from eaglenest.train.config import WARMUP_MIN, WARMUP_SHARE
 from eaglenest.train.ttt import Teacher
@@ -96,10 +97,7 @@ def init_weights(model: Eagle3Draft, head: dict, rows: torch.Tensor, how: str, q
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             torch.nn.init.normal_(mod.weight, std=0.02)
-    if model.cfg.kind == "dflash":
-        from eaglenest.draft.dflash import sharpen_attention
-
-        sharpen_attention(model, qk_gain)
+    get_kind(model.cfg.kind).init_model(model, qk_gain)  # e.g. DFlash's q/k gains
     with torch.no_grad():
         if how == "target":
             model.lm_head.weight.copy_(head["lm_head"].float()[rows])

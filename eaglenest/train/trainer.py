@@ -31,6 +31,7 @@ from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
 from eaglenest.draft.model import DraftConfig
 from eaglenest.draft.vocab import draft_ids_to_target
 from eaglenest.features import FeatureStore
+from eaglenest.kinds.registry import get as get_kind
 from eaglenest.train.checkpoint import Checkpointer, SavePolicy, check_resume
 from eaglenest.train.config import RESUME_FIXED, TrainConfig
 from eaglenest.train.data import SPLIT_RULE, Batch, Schedule, held_out_mask, split
@@ -116,6 +117,7 @@ class Trainer:
         from eaglenest.models.weights import target_head
 
         cfg = self.cfg
+        kind = get_kind(cfg.draft_kind)
         resuming = cfg.resume and self.ckpt.latest() is not None
 
         # target and data: a feature store, or (online) prepared ids and an engine
@@ -123,8 +125,8 @@ class Trainer:
         if cfg.online:
             from eaglenest.data import PreparedData
 
-            if cfg.draft_kind == "dflash" and cfg.layers == "auto":
-                cfg.layers = "dflash"  # the engine captures DFlash's default layers (capture/layers.py)
+            if cfg.layers == "auto":
+                cfg.layers = kind.online_layers  # the layers the engine captures (capture/layers.py)
 
             data = PreparedData(cfg.data)
             self.ckpt.prepare(cfg.resume, cfg.overwrite)  # before an engine starts (a server takes minutes)
@@ -139,10 +141,10 @@ class Trainer:
             )
         if len(store) == 0:
             raise EaglenestError(f"{cfg.data if cfg.online else f'feature store {cfg.features}'} holds no samples")
-        # the EAGLE-3 head's fc reads three aux states; a store of another count is for another draft kind
-        # (a DFlash draft reads any number of target layers)
-        if cfg.draft_kind == "eagle3":
-            require_layer_count(meta.layer_ids, 3, "an EAGLE-3 draft",
+        # a kind that reads a fixed number of target layers (the EAGLE-3 head's fc: three) refuses a store
+        # of another count (a DFlash draft reads any number)
+        if kind.aux_count is not None:
+            require_layer_count(meta.layer_ids, kind.aux_count, kind.title,
                                 "this online run's --layers" if cfg.online else f"feature store {cfg.features}")
         head = target_head(cfg.model)
         if not cfg.online:
@@ -154,10 +156,7 @@ class Trainer:
         rows = draft_ids_to_target(d2t)
         dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape, attention=cfg.draft_attention,
                                        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
-        if cfg.draft_kind == "dflash":
-            from eaglenest.draft.dflash import dflash_config
-
-            dcfg = dflash_config(dcfg, cfg)
+        dcfg = kind.train_config(dcfg, cfg)  # the kind's own fields (DFlash: block, layers, mask token)
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(), "split_by": SPLIT_RULE,
@@ -176,7 +175,7 @@ class Trainer:
             fc_rms = self.dist.broadcast_(fc_rms)  # only rank 0 reads samples that are not its own
         self.model = build_draft(dcfg, head, rows, d2t, t2d, seed=cfg.seed, init_head=cfg.head_init(), fc_init=cfg.fc_init,
                                  fc_rms=fc_rms, freeze_head=cfg.freeze_head, qk_gain=cfg.dflash_qk_gain).to(self.device)
-        self.teacher = None if dcfg.kind != "eagle3" else build_teacher(  # DFlash trains on hard labels
+        self.teacher = None if not kind.needs_teacher else build_teacher(  # DFlash trains on hard labels
             head, rows, t2d, pre_norm=meta.final_norm == "pre", norm_eps=head["norm_eps"], logit_softcap=head["logit_softcap"],
             bf16=self.autocast).to(self.device)
         self.attn_impl = default_attn_impl(self.device, self.autocast) if cfg.attn_impl == "auto" else cfg.attn_impl
@@ -217,11 +216,10 @@ class Trainer:
         self.objective = make_objective(cfg, dcfg, teacher=self.teacher, device=self.device, autocast=self.autocast,
                                         attn=self.attn, recompute=self._recompute,
                                         argmax_room=ARGMAX_CACHE_TOKENS if self.total_steps > spe else 0)
-        if dcfg.kind == "dflash":
-            self.objective.bind(self.model.t2d)
+        kind.bind_objective(self.objective, self.model)
         self.P = self.objective.positions  # per-position statistics (TTT steps or block slots)
         # the serve steps the log predicts tau for (a DFlash block drafts P tokens per round)
-        self.serve_steps = self.P if dcfg.kind == "dflash" else cfg.predicted_steps()
+        self.serve_steps = kind.serve_steps(self.P, cfg)
 
         if resuming:
             self.step = self.saved_step = self.ckpt.load(self.weights, self.opt, self.sched)
@@ -551,9 +549,7 @@ class Trainer:
 
     def _step_denominators(self, data: StepData) -> torch.Tensor:
         """This rank's loss normalizers of the step: the loader's TTT ones for EAGLE-3, else the objective's."""
-        if self.model.cfg.kind == "eagle3":
-            return data.denom
-        return sum((self.objective.denominators(b, self.step) for b in data.batches), torch.zeros(2, dtype=torch.float64))
+        return get_kind(self.model.cfg.kind).step_denominators(self.objective, data, self.step)
 
     def optimizer_step(self, data: StepData) -> tuple[float, int, dict, float]:
         """One optimizer step over this rank's micro-batches of a step (`self.source.load(step)`):
