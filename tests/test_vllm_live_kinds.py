@@ -6,10 +6,11 @@ decoded on those prompts: acceptance is high and known per position, from the tr
 
 * An EAGLE 3.1 draft (fc_norm + norm_output) on SmolLM2: vLLM's greedy output equals its plain
   greedy output, and, in fp32 (where both engines write the same text), vLLM accepts the draft where
-  our decoder does, prompt by prompt and position by position, so tau agrees within 5 % (2 %
-  measured as the bar here); both accept each position (given the earlier ones were accepted)
-  within learning_helpers.WITHIN (plus two standard errors) of the training accuracy there.  Acceptance at positions >= 1 depends on the state
-  fed back between draft steps (norm(h) for this draft).
+  our decoder does, prompt by prompt and position by position, so tau (counted alike:
+  learning_helpers.counted_tau) agrees within 5 %; both accept each position (given the earlier
+  ones were accepted) within learning_helpers.WITHIN plus two standard errors of the training
+  accuracy there.  Acceptance at positions >= 1 depends on the state fed back between draft steps
+  (norm(h) for this draft).
 * An MLA draft on the tiny DeepSeek-V3 target (MLA + MoE): the same fp32 checks on CPUs without
   AMX.  On an Intel AMX CPU vLLM 0.32 puts every MLA layer on its AMX_MLA backend, which takes bf16
   weights only: there both engines run in bf16 (greedy spec == plain greedy up to near-ties, tau
@@ -64,7 +65,8 @@ def served_like_ours(model, draft, bench, tmp_path, dtype="fp32", **engine_args)
 
 def assert_agreement(rv: dict, rh: dict, acc: list[float]) -> None:
     """fp32: the same text and acceptance prompt by prompt, and both engines accept each position
-    within learning_helpers.WITHIN plus sampling error of the training accuracy `acc` (they decode the text the draft was trained on)."""
+    within learning_helpers.WITHIN plus sampling error of the training accuracy `acc` (they decode
+    the text the draft was trained on)."""
     from test_vllm_live_eval import assert_bf16_greedy_agreement
 
     assert rv["engine"] == "vllm" and rv["verify_steps"] > 0
