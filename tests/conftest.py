@@ -160,3 +160,12 @@ def smol_store_5(tmp_path_factory, smollm2, smol_data) -> Path:
                  "--device", "cpu", "--dtype", "fp32", "--store-dtype", "fp32",
                  "--layers", ",".join(map(str, FIVE_LAYERS))]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smol_regen(tmp_path_factory, smollm2):
+    """learning_helpers.QUESTIONS with SmolLM2's own greedy answers (hf engine, fp32, REGEN_NEW
+    tokens): what the learning tests over-fit drafts on and then decode (learning_helpers.Regenerated)."""
+    from learning_helpers import regenerate_questions
+
+    return regenerate_questions(smollm2, tmp_path_factory.mktemp("smol_regen"))
