@@ -6,8 +6,10 @@ tokens it was trained on (learning_helpers' docstring).  Asserted per kind:
 
   (a) the last step's training accuracy at every position reaches the recipe's floor (EAGLE-3 and
       3.1: 0.8, measured 0.95-0.98; MLA: 0.45, measured 0.88 / 0.72 / 0.57; DFlash 0.55, measured
-      0.69-0.87 per block slot), a bar a draft that learned nothing fails: the first step's accuracy (its forward runs before any update, so it
-      is the untrained draft's on the same data: 0.016 at best) is asserted below it too, and 1-step drafts, decoded, accept 0.12 / 0.22 / 0 (EAGLE-3) and 0.36-0.57 on
+      0.69-0.87 per block slot), a bar a draft that learned nothing fails: the first step's
+      accuracy (its forward runs before any update, so it is the untrained draft's on the same
+      data: 0.016 at best) is asserted below it too, and 1-step drafts, decoded, accept
+      0.12 / 0.22 / 0 (EAGLE-3) and 0.36-0.57 on
       DFlash's first five slots (RECIPES' comments);
   (b) decoding reproduces the regenerated answers (all but at most one prompt: a padded batch and a
       batch-1 decode may part at an fp32 near-tie), and accepts per slot, given the earlier slots
