@@ -235,14 +235,19 @@ class Command:
     def __init__(self, cls, run):
         self.cls, self.run = cls, run
 
-    def __call__(self, args: argparse.Namespace) -> int:
+    def resolve(self, args: argparse.Namespace):
+        """The command's config from the parsed line, validated, its values also set on `args`."""
         cfg = from_args(args, self.cls)
         if hasattr(cfg, "validate"):
             cfg.validate()
+        vars(args).update(dataclasses.asdict(cfg))
+        return cfg
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        cfg = self.resolve(args)
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
-        vars(args).update(dataclasses.asdict(cfg))
         return self.run(cfg, args)
 
 

@@ -32,6 +32,26 @@ def diversify(model, std: float = 0.3, seed: int = 1):
     return model
 
 
+def eval_args(model, draft, bench, out, engine: str, **kw):
+    """What `eaglenest eval` hands the evaluator, resolved by the CLI itself (evaluate.cli.eval_args) from
+    keyword options: one flag per keyword (max_new_tokens=32 -> --max-new-tokens 32, no_baseline=True ->
+    --no-baseline, engine_args={k: v} -> --engine-arg k=v; None and a false no_* leave the default)."""
+    from eaglenest.evaluate.cli import eval_args as cli_eval_args
+
+    argv = ["--model", str(model), "--draft", str(draft), "--out", str(out), "--bench", str(bench), "--engine", engine]
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        if k == "engine_args":
+            argv += [x for kv in v.items() for x in ("--engine-arg", "=".join(map(str, kv)))]
+        elif v is None or (v is False and k.startswith("no_")):
+            continue
+        elif isinstance(v, bool):
+            argv.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            argv += [flag, str(v)]
+    return cli_eval_args(argv)
+
+
 # draft kinds the decoder tests run with: EAGLE-3, and EAGLE 3.1's flags on the MLA draft
 KINDS = {"eagle3": {}, "eagle31-mla": {"attention": "mla", "fc_norm": True, "norm_output": True}}
 

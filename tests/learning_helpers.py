@@ -14,7 +14,6 @@ step k fed the true earlier tokens, as an accepted chain is; DFlash: prefix coun
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +150,13 @@ def conditional(accept_per_position: list[float]) -> list[float | None]:
     return out
 
 
-def eval_args(model, draft, bench, out, engine: str, **kw) -> argparse.Namespace:
-    """`eaglenest eval`'s arguments: greedy, fp32, DECODE_NEW tokens, the draft's default steps."""
-    a = dict(model=str(model), draft=str(draft), out=str(out), bench=str(bench), limit=None, turns=1, steps=None, topk=1,
-             num_draft_tokens=None, temperature=0.0, max_new_tokens=DECODE_NEW, engine=engine, device="cpu", dtype="fp32",
-             seed=0, no_baseline=False, trust_remote_code=False, engine_args={}, attention="auto", workers=1, baseline_limit=None)
-    a.update(kw)
-    return argparse.Namespace(**a)
+def eval_args(model, draft, bench, out, engine: str, **kw):
+    """`eaglenest eval`'s arguments (helpers_eval.eval_args): greedy, fp32, DECODE_NEW tokens, the draft's
+    default steps, unless `kw` says otherwise."""
+    from helpers_eval import eval_args as cli_eval_args
+
+    return cli_eval_args(model, draft, bench, out, engine, **{"max_new_tokens": DECODE_NEW, "dtype": "fp32", "device": "cpu",
+                                                              "temperature": 0.0, **kw})
 
 
 def decodes_the_answers(report: dict, answers: dict[str, list[int]]) -> int:

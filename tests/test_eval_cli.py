@@ -212,3 +212,25 @@ def test_mtbench_real_80_questions_two_turns():
     assert len(ps) == 80
     assert all(len(p.turns) == 2 for p in ps)
     assert ps[0].id == "81" and ps[0].category == "writing"
+
+
+def test_eval_args_are_what_the_command_runs_with(tmp_path):
+    """evaluate.cli.eval_args (what tests and benchmarks hand `evaluate`) resolves a line as `eaglenest
+    eval` does: every EvalConfig field at its default unless given, a --config file under the flags,
+    --engine-arg pairs parsed, and the same refusals."""
+    import dataclasses
+
+    from eaglenest import EaglenestError
+    from eaglenest.evaluate.cli import eval_args
+    from eaglenest.evaluate.config import EvalConfig
+
+    y = tmp_path / "eval.yaml"
+    y.write_text("max_new_tokens: 17\ntemperature: 0.5\n")
+    a = eval_args(["--model", "m", "--draft", "d", "--out", "o", "--config", str(y), "--temperature", "0",
+                   "--engine-arg", "concurrency=2", "--engine-arg", "log_dir=/x=y"])
+    for f in dataclasses.fields(EvalConfig):
+        assert hasattr(a, f.name), f.name
+    assert (a.max_new_tokens, a.temperature, a.linears, a.draft_sampling) == (17, 0.0, "auto", "sample")
+    assert a.engine_args == {"concurrency": "2", "log_dir": "/x=y"}
+    with pytest.raises(EaglenestError, match="KEY=VALUE"):
+        eval_args(["--model", "m", "--draft", "d", "--out", "o", "--engine-arg", "concurrency"])

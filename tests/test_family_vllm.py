@@ -93,9 +93,8 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2):
     (16), KV heads = heads, Kimi-K2.5's YaRN rope (factor 64, original 4096, theta 50000), the full
     vocabulary (no d2t) -- served by vLLM next to a tiny Llama target carrying the same rope (vLLM's
     CPU attention takes head_dim 32, not the tiny test Llama's 16)."""
-    import argparse
-
     import torch
+    from helpers_eval import eval_args
     from safetensors import safe_open
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -126,10 +125,8 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2):
         assert not {"d2t", "t2d"} & set(f.keys())  # a full vocabulary: vLLM has no parameter for a d2t
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps({"question_id": "q1", "prompt": "Write a haiku about the sea."}) + "\n")
-    a = argparse.Namespace(model=str(target), draft=str(draft), out=str(tmp_path / "r.json"), bench=str(bench), limit=None,
-                           turns=1, steps=3, topk=1, num_draft_tokens=None, temperature=0.0, max_new_tokens=24, engine="vllm",
-                           device="cpu", dtype="bf16", seed=0, no_baseline=False, trust_remote_code=False,
-                           engine_args={"log_dir": str(tmp_path / "logs")})
+    a = eval_args(target, draft, bench, tmp_path / "r.json", "vllm", steps=3, max_new_tokens=24, device="cpu", dtype="bf16",
+                  engine_args={"log_dir": str(tmp_path / "logs")})
     r = evaluate(a)
     # served as a draft (verify steps with drafted tokens) and greedy unchanged: what was served, not the log's wording
     assert r["greedy_matches_baseline"] is True and r["verify_steps"] > 0, r.get("greedy_mismatches")

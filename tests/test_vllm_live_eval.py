@@ -16,13 +16,13 @@ bf16 (3 steps, greedy, the same MT-bench prompts).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+from helpers_eval import eval_args
 from vllm_helpers import make_echo_target, make_oracle_draft, make_random_draft, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
@@ -41,11 +41,7 @@ PROMPTS = [
 
 
 def _args(smollm2, draft, bench, out, engine, **kw):
-    a = dict(model=str(smollm2), draft=str(draft), out=str(out), bench=str(bench), limit=None, turns=1, steps=3, topk=1,
-             num_draft_tokens=None, temperature=0.0, max_new_tokens=32, engine=engine, device="cpu", dtype="bf16",
-             seed=0, no_baseline=False, trust_remote_code=False, engine_args={})
-    a.update(kw)
-    return argparse.Namespace(**a)
+    return eval_args(smollm2, draft, bench, out, engine, **{"steps": 3, "max_new_tokens": 32, "device": "cpu", "dtype": "bf16", **kw})
 
 
 @pytest.fixture(scope="module")

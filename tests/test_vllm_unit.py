@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from eaglenest.engines.base import Captured, Engine, Failure, Generated, Request
 from eaglenest.engines.vllm import VLLMEngine, finish_generated, parse_prometheus, read_hidden_states
+from helpers_eval import eval_args
 from vllm_helpers import REPO, FakeVLLM, completion
 
 H = 64  # tiny_llama_dir: hidden 64 (explicit aux ids 1,3,4; the final id is its layer count)
@@ -538,15 +539,11 @@ def test_conversations_run_concurrently_in_order_and_totals_replace_per_record_c
 
 
 def test_vllm_eval_refuses_a_bad_concurrency(tiny_llama_dir, tmp_path):
-    import argparse
-
     from eaglenest import EaglenestError
     from eaglenest.evaluate.engine_vllm import run_eval
 
     for bad in ("0", "two"):
-        a = argparse.Namespace(model=str(tiny_llama_dir), draft=str(tmp_path), out=str(tmp_path / "r.json"), bench="mtbench",
-                               limit=1, turns=1, steps=3, topk=1, num_draft_tokens=None, temperature=0.0, max_new_tokens=8,
-                               engine="vllm", device="cpu", dtype="bf16", seed=0, no_baseline=True, trust_remote_code=False,
-                               engine_args={"concurrency": bad})
+        a = eval_args(tiny_llama_dir, tmp_path, "mtbench", tmp_path / "r.json", "vllm", limit=1, steps=3, max_new_tokens=8,
+                      device="cpu", dtype="bf16", no_baseline=True, engine_args={"concurrency": bad})
         with pytest.raises(EaglenestError, match="concurrency must be a whole number"):
             run_eval(a)

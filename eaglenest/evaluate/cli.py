@@ -39,15 +39,32 @@ def _add_evaluator_arguments(p) -> None:
                 mod.add_arguments(p.add_argument_group(f"{info.name[len('engine_'):]} evaluator"))
 
 
-def _run(cfg, args) -> int:
+def _engine_args(pairs: list[str]) -> dict[str, str]:
     from eaglenest import EaglenestError
-    from eaglenest.evaluate.run import main_eval
 
-    engine_args = {}
-    for kv in cfg.engine_arg:
+    out = {}
+    for kv in pairs:
         if "=" not in kv:
             raise EaglenestError(f"--engine-arg wants KEY=VALUE (got {kv!r})")
         k, v = kv.split("=", 1)
-        engine_args[k.strip()] = v
-    args.engine_args = engine_args
+        out[k.strip()] = v
+    return out
+
+
+def _run(cfg, args) -> int:
+    from eaglenest.evaluate.run import main_eval
+
+    args.engine_args = _engine_args(cfg.engine_arg)
     return main_eval(args)
+
+
+def eval_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments `eaglenest eval ARGV` hands the evaluator (evaluate.run.evaluate), resolved as the
+    command resolves them (defaults < --config < flags, --engine-arg pairs parsed), without running it:
+    for callers that drive `evaluate` themselves and must not keep a twin of its options."""
+    from eaglenest.cli import build_parser
+
+    args = build_parser().parse_args(["eval", *argv])
+    cfg = args.func.resolve(args)
+    args.engine_args = _engine_args(cfg.engine_arg)
+    return args
