@@ -116,7 +116,7 @@ def test_server_command_cpu_torch_native_loopback():
     assert "--host 127.0.0.1" in s and "0.0.0.0" not in s and "--device cpu --attention-backend torch_native" in s
     assert "--dtype float32" in s and "--disable-radix-cache" in cmd and "--sleep-on-idle" in cmd
     assert "--disable-radix-cache" not in eng.server_command("py", "/m", port=1, mode="generate")
-    spec = eng.server_command("py", "/m", port=1, speculative={"draft": "/d", "steps": 3, "topk": 1, "draft_tokens": 4})
+    spec = eng.server_command("py", "/m", port=1, speculative={"algorithm": "EAGLE3", "draft": "/d", "steps": 3, "topk": 1, "draft_tokens": 4})
     assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3 "
             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in " ".join(spec)
 

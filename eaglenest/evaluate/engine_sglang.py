@@ -105,6 +105,7 @@ def run_eval(args) -> dict:
     )
     from eaglenest.evaluate.run import chat_prompt_ids, finish_report, load_prompts, merge_server_baseline, report_header, run_conversations
     from eaglenest.evaluate.specdec import resolve_num_draft_tokens
+    from eaglenest.kinds import registry
     from eaglenest.models.target import eos_token_ids, load_config, load_tokenizer, resolve_model_path
 
     a = args
@@ -118,13 +119,14 @@ def run_eval(args) -> dict:
     tcfg = load_config(a.model, getattr(a, "trust_remote_code", False))
     eos = set(eos_token_ids(path, tok))
     eos_list = sorted(eos)
-    aux_ids, draft_vocab = None, None
+    aux_ids, draft_vocab, kind = None, None, None
     draft_dir = Path(a.draft)
     d = getattr(a, "draft_dir", None)  # read once by evaluate()
     if d is not None or (draft_dir / "config.json").exists():
         from eaglenest.evaluate.run import check_draft_fits, read_draft_dir
 
-        dcfg = read_draft_dir(d or draft_dir).cfg
+        dd = read_draft_dir(d or draft_dir)
+        dcfg, kind = dd.cfg, dd.kind
         if not dcfg.aux_layer_ids:
             dcfg.aux_layer_ids = default_layer_ids(tcfg.num_hidden_layers)
         check_draft_fits(dcfg, tcfg, where=f"draft {draft_dir}")
@@ -134,8 +136,11 @@ def run_eval(args) -> dict:
               file=sys.stderr)
 
     timeout, retries = float(ea.get("timeout", 900)), int(ea.get("retries", 1))
+    # the algorithm the server runs the draft with: its kind's (a draft not readable here: the default
+    # kind's, what other trainers' drafts are)
+    algorithm = (kind or registry.get(None)).sglang_algorithm
     serve = getattr(a, "sglang_serve", False)
-    served = _Served(a, ea, path, draft_dir, steps, topk, ndt) if serve else None
+    served = _Served(a, ea, path, draft_dir, algorithm, steps, topk, ndt) if serve else None
     if served is not None:
         urls = [served.start(spec=True)]
     client = Client(urls, timeout=timeout, retries=retries, concurrency=1)
@@ -152,8 +157,9 @@ def run_eval(args) -> dict:
         raise EaglenestError("the server decodes with " + ", ".join(f"{k}={s}" for k, (s, _) in differ.items())
                              + " but this run says " + ", ".join(f"{k}={w}" for k, (_, w) in differ.items())
                              + ": pass the server's --steps/--topk/--num-draft-tokens")
-    if server_spec.get("speculative_algorithm") not in (None, "EAGLE3"):
-        raise EaglenestError(f"the server runs speculative algorithm {server_spec['speculative_algorithm']!r}, not EAGLE3")
+    if server_spec.get("speculative_algorithm") not in (None, algorithm):
+        raise EaglenestError(f"the server runs speculative algorithm {server_spec['speculative_algorithm']!r}, not "
+                             f"{algorithm} ({(kind or registry.get(None)).title})")
 
     counter = iter(range(1 << 62))
 
@@ -201,7 +207,7 @@ def run_eval(args) -> dict:
             client.close()
         if sum(r["verify_steps"] for r in records) == 0 and sum(r["generated_tokens"] for r in records) > len(records):
             raise EaglenestError("no meta_info.spec_verify_ct in any answer: is the server running the draft "
-                                 "(--speculative-algorithm EAGLE3 --speculative-draft-model-path ...)?")
+                                 f"(--speculative-algorithm {algorithm} --speculative-draft-model-path ...)?")
         base_records = None
         if served is not None and not a.no_baseline:
             base_urls = [served.start(spec=False)]
@@ -233,14 +239,14 @@ def run_eval(args) -> dict:
 class _Served:
     """The CPU servers `--sglang-serve` starts: one with the draft, then one without (baseline)."""
 
-    def __init__(self, a, ea: dict, path, draft_dir, steps: int, topk: int, ndt: int):
+    def __init__(self, a, ea: dict, path, draft_dir, algorithm: str, steps: int, topk: int, ndt: int):
         import tempfile
 
         from eaglenest.engines.sglang.server import find_sglang_python
 
         self.a, self.path = a, path
         self.python = find_sglang_python(ea.get("python"))
-        self.spec = {"draft": Path(draft_dir).resolve(), "steps": steps, "topk": topk, "draft_tokens": ndt}
+        self.spec = {"algorithm": algorithm, "draft": Path(draft_dir).resolve(), "steps": steps, "topk": topk, "draft_tokens": ndt}
         self.keep = bool(ea.get("log_dir"))
         self.workdir = Path(ea["log_dir"]) if self.keep else Path(tempfile.mkdtemp(prefix="eaglenest-sglang-eval-"))
         self.startup = float(ea.get("startup_timeout", 600))

@@ -258,6 +258,7 @@ class DFlashKind(DraftKind):
     needs_teacher = False  # trains on hard labels
     default_engines = ("vllm",)  # SGLang serves DFlash on GPUs only, with the target's lm_head
     vllm_method = "dflash"
+    sglang_algorithm = "DFLASH"  # srt/models/dflash.py (Triton kernels: GPU only)
 
     def check_train_options(self, tc) -> None:
         if tc.block_size < 2:

@@ -295,6 +295,7 @@ class Eagle3Kind(DraftKind):
     title = "an EAGLE-3 draft"
     aux_count = 3  # fc reads three aux states
     vllm_method = "eagle3"
+    sglang_algorithm = "EAGLE3"
 
     def check_train_options(self, tc) -> None:
         if tc.draft_layers != 1:

@@ -72,6 +72,7 @@ class DraftKind:
     # --- the draft directory --------------------------------------------------------------------
     default_engines: tuple[str, ...] | None = None  # engines `export` checks by default (None: all)
     vllm_method: str = ""  # vLLM's --speculative-config method
+    sglang_algorithm: str = ""  # SGLang's --speculative-algorithm
 
     def expected_tensors(self, cfg) -> dict:
         raise NotImplementedError

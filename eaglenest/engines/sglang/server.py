@@ -56,7 +56,8 @@ def server_command(python, model_path, *, port: int, dtype: str = "bf16", mode: 
                    extra: list[str] | None = None) -> list[str]:
     """The command line of a CPU server (SGLang 0.5.23 flags, through eaglenest's launcher).
     mode: "plugin" (capture through the plugin: no radix cache), "stock" (final states as JSON),
-    "generate"; `speculative` = {"draft": DIR, "steps": S, "topk": K, "draft_tokens": D} serves a draft."""
+    "generate"; `speculative` = {"algorithm": A, "draft": DIR, "steps": S, "topk": K, "draft_tokens": D} serves
+    a draft (A: the draft kind's sglang_algorithm, kinds/registry.py)."""
     cmd = [str(python), "-m", LAUNCHER, "--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--attention-backend", "torch_native",
            "--dtype", {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype),
@@ -69,7 +70,7 @@ def server_command(python, model_path, *, port: int, dtype: str = "bf16", mode: 
     elif mode != "generate":
         raise ValueError(mode)
     if speculative:
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(speculative["draft"]),
+        cmd += ["--speculative-algorithm", speculative["algorithm"], "--speculative-draft-model-path", str(speculative["draft"]),
                 "--speculative-num-steps", str(speculative["steps"]), "--speculative-eagle-topk", str(speculative["topk"]),
                 "--speculative-num-draft-tokens", str(speculative["draft_tokens"])]
     return cmd + list(extra or [])
