@@ -39,6 +39,24 @@ def git_state() -> dict:
         return {"git_commit": None, "git_dirty": None}  # not a git checkout (an unpacked release): said, not guessed
 
 
+def _git(*args) -> str:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def git_tree(cache: Path, rev: str) -> tuple[Path, str]:
+    """A worktree of this repository at `rev` (made once, under `cache`/trees): (path, full commit).  An
+    earlier commit's code runs from it with PYTHONPATH=path (its own eaglenest, not this tree's)."""
+    commit = _git("rev-parse", rev)
+    path = cache / "trees" / commit[:12]
+    if not (path / "eaglenest").is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _git("worktree", "add", "--force", "--detach", str(path), commit)
+    return path, commit
+
+
 def rotations(arms, rounds: int) -> list[list]:
     """The order of the arms in each of `rounds` rounds, rotated by one each round (two arms: A B, B A, ...),
     so that the machine's drift (load, heat, caches) falls on every arm alike and pairs share it."""

@@ -5,7 +5,7 @@
     python bench/train_step.py ab --recipe demo --base 2edb2ad --rounds 2
     python bench/train_step.py ab --recipe long --base 2edb2ad --rounds 2
 
-   Both arms are git worktrees at their commits (this tree's HEAD and --base), run in fresh
+   Both arms are git worktrees at their commits (--new, default this tree's HEAD, and --base), run in fresh
    processes in alternating order (A B, B A, ...: pairs share the machine's drift), each the whole
    `Trainer.fit()` of the recipe for --steps optimizer steps with its held-out evaluation at the end.
    Recorded per run: every step's time (`Trainer.optimizer_step`), the process's peak RSS, every
@@ -518,20 +518,6 @@ def _divergence(a: list[float], b: list[float]) -> dict:
             "step_max": round(max(rel), 5)}
 
 
-def _git(*args, cwd=None) -> str:
-    return subprocess.run(["git", *args], cwd=cwd or HERE.parent, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _tree(cache: Path, rev: str) -> tuple[Path, str]:
-    """A worktree of the repository at `rev` (made once, under the cache): (path, full commit)."""
-    commit = _git("rev-parse", rev)
-    path = cache / "trees" / commit[:12]
-    if not (path / "eaglenest").is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _git("worktree", "add", "--force", "--detach", str(path), commit)
-    return path, commit
-
-
 def _cpu_kind() -> str:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "other"
@@ -584,7 +570,7 @@ def ab(a) -> None:
     if a.results_dir:
         common.RESULTS = Path(a.results_dir)
     cache = Path(a.cache).expanduser()
-    arms = {"base": _tree(cache, a.base), "new": _tree(cache, "HEAD")}
+    arms = {"base": common.git_tree(cache, a.base), "new": common.git_tree(cache, a.new)}
     arms["control"] = arms["base"]
     feats = _features(a.recipe, cache, arms["base"][0])
     model = str(Path("~/.cache/eaglenest/models/smollm2-135m-instruct").expanduser())
@@ -630,7 +616,7 @@ def ab(a) -> None:
         "train_flags": flags, "steps": a.steps, "timed_from_step": a.skip + 1, "rounds": a.rounds, "cpu_kind": _cpu_kind(),
         "tolerance": {"first_steps": FIRST_STEPS, "first_steps_rel": 1e-2, "window": WINDOW, "control_factor": CONTROL_FACTOR,
                       "eval_acc_abs": ACC_ATOL},
-        "arms": {k: {"rev": "HEAD" if k == "new" else a.base, "commit": v[1], **({"extra_flags": CONTROL_FLAGS} if k == "control" else {})}
+        "arms": {k: {"rev": a.new if k == "new" else a.base, "commit": v[1], **({"extra_flags": CONTROL_FLAGS} if k == "control" else {})}
                  for k, v in arms.items()},
         "summary": summary_, "runs": runs, "versions": versions(),
     }
@@ -643,6 +629,8 @@ def main() -> None:
         ap = argparse.ArgumentParser(prog="train_step.py ab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--recipe", choices=sorted(RECIPES), default="demo")
         ap.add_argument("--base", required=True, help="the earlier commit (git revision) the new tree is measured against")
+        ap.add_argument("--new", default="HEAD", help="the commit measured (default HEAD); another one isolates a change from "
+                        "later ones that alter the recipe's trajectory (data split, warm-up, vocabulary)")
         ap.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
         ap.add_argument("--skip", type=int, default=5, help="first steps left out of the step-time median (warm-up)")
         ap.add_argument("--rounds", type=int, default=2, help="pairs of runs, in alternating order")
