@@ -10,6 +10,13 @@ Pieces (each resumable; run the long ones one at a time, in the background, with
     python bench/dflash.py train dflash-b16        # DFlash, as many steps as fit in eagle3's training wall time
     python bench/dflash.py eval ARM                # all 80 MT-bench first turns, 128 tokens, greedy, plain baseline on all 80
     python bench/dflash.py report                  # bench/results/dflash.json (every arm trained and decoded so far)
+    python bench/dflash.py start [--steps N]       # where each kind starts and how its loss falls -> dflash_start.json
+
+`start` (issue 42: does a DFlash draft start where it can learn?) trains, on one prepared ShareGPT
+slice (or --source), EAGLE-3 and DFlash with the demo recipe for N steps, and DFlash once more at
+the commit before its start was fixed (START_BEFORE, run from a git worktree: the anchor, same run),
+each in a fresh process; it records every step's cross-entropy per position or block slot, the first
+step's beside ln(draft vocabulary) (a uniform guess), and the held-out accuracy after the last step.
 
 Work directory: $EAGLENEST_BENCH_WORK/full (bench/arms.py's), arms named dflash-bench-<arm>; the
 source data is the demo's prepared data there (`bench/arms.py data`, or --source DATA_DIR).
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +46,8 @@ ARMS = {
     "dflash-b16": ["--draft-kind", "dflash", "--block-size", "16", "--draft-layers", "2", "--dflash-anchors", "32"],
     "dflash-b8": ["--draft-kind", "dflash", "--block-size", "8", "--draft-layers", "2", "--dflash-anchors", "32"],
 }
+START_BEFORE = "bc3f4f8^"  # the commit before DFlash's start was fixed (zero head, q/k gain, no specials in the filler)
+START_DATA = dict(max_length=512, limit=400)  # the ShareGPT slice `start` prepares (the training-step A/B's demo recipe data)
 PROBE_STEPS = 12  # steps of a DFlash arm timed to size it to eagle3's wall time
 
 
@@ -238,11 +248,70 @@ def cmd_report(a) -> None:
     })
 
 
+# --- where training starts ------------------------------------------------------------------
+def _start_arms() -> dict[str, tuple[str, list[str]]]:
+    """arm -> (git revision it runs at, flags): both kinds at HEAD, DFlash before its start was fixed."""
+    return {"eagle3": ("HEAD", ARMS["eagle3"]), "dflash-b16": ("HEAD", ARMS["dflash-b16"]),
+            "dflash-b16-before": (START_BEFORE, ARMS["dflash-b16"])}
+
+
+def _start_data(a) -> Path:
+    if a.source:
+        return source_data(a)
+    d = work() / "start-data"
+    if not (d / "meta.json").exists():
+        from eaglenest.data import prepare
+
+        prepare(model=arms.model_path(), data=["sharegpt:"], out=d, **START_DATA)
+    return d
+
+
+def cmd_start(a) -> None:
+    import math
+
+    import common
+
+    data = _start_data(a)
+    stores = {kind: arms.prepare_data(PRESET, layers=_layers(kind), data=str(data))["features"] for kind in ("eagle3", "dflash")}
+    res = {}
+    for arm, (rev, extra) in _start_arms().items():
+        tree, commit = (HERE.parent, common.git_state()["git_commit"]) if rev == "HEAD" else common.git_tree(work() / "start", rev)
+        out = work() / "start" / arm
+        argv = ["train", "--model", arms.model_path(), "--features", str(stores["eagle3" if arm == "eagle3" else "dflash"]),
+                "--out", str(out), "--overwrite", *arms.train_flags(PRESET), *extra, "--max-steps", str(a.steps),
+                "--eval-every", str(a.steps)]
+        env = {**os.environ, "PYTHONPATH": str(tree), "EAGLENEST_NO_PROGRESS": "1"}
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "eaglenest", *argv], env=env, cwd="/", capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(f"{arm} at {rev} failed:\n{p.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        cfg = json.loads((out / "config.json").read_text())
+        vocab = cfg["draft"]["draft_vocab_size"]
+        first = rows[0]
+        res[arm] = {
+            "rev": rev, "commit": commit, "flags": extra, "kind": cfg["draft"].get("kind", "eagle3"), "draft_vocab_size": vocab,
+            "ln_draft_vocab": math.log(vocab), "wall_s": round(time.time() - t0, 1),
+            "first_step": {"ce_per_position": first["train_loss"], "ce_mean": sum(first["train_loss"]) / len(first["train_loss"]),
+                           "grad_norm": first["grad_norm"]},
+            "curve_ce_mean": [sum(r["train_loss"]) / len(r["train_loss"]) for r in rows],
+            "last_train_acc": rows[-1]["train_acc"],
+            "held_out": json.loads((out / "final.json").read_text()).get("eval"),
+        }
+        print(arm, json.dumps(res[arm]["first_step"]), "last", res[arm]["curve_ce_mean"][-1], flush=True)
+    common.write_result("dflash_start", {
+        "what": "where EAGLE-3 and DFlash drafts start and how their cross-entropy falls, trained with the demo recipe for "
+                "the same steps on one store of SmolLM2 features; DFlash also at the commit before its start was fixed",
+        "data": {"source": str(data), "prepared": None if a.source else START_DATA, "target": "SmolLM2-135M-Instruct"},
+        "steps": a.steps, "train_flags": arms.train_flags(PRESET), "arms": res,
+    })
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn in (("regen-speed", cmd_regen_speed), ("regen", cmd_regen), ("capture", None), ("train", cmd_train),
-                     ("eval", cmd_eval), ("report", cmd_report)):
+                     ("eval", cmd_eval), ("report", cmd_report), ("start", cmd_start)):
         p = sub.add_parser(name)
         p.add_argument("--source", help="the prepared DATA_DIR to regenerate (default: the demo's, from bench/arms.py data)")
         if name in ("train", "eval"):
@@ -250,6 +319,8 @@ def main() -> None:
         if name == "regen":
             p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
             p.add_argument("--limit", type=int, help="regenerate only the first N conversations (re-run with a larger N to extend)")
+        if name == "start":
+            p.add_argument("--steps", type=int, default=100, help="optimizer steps per arm")
         p.set_defaults(func=fn)
     a = ap.parse_args()
     if a.cmd == "capture":
