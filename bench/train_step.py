@@ -171,7 +171,8 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
         opt.zero_grad(set_to_none=True)
         trows = teacher.targets(last.index_select(0, plan.teacher_rows))
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom, chunk=chunk, attn_impl=kernel, recompute=recompute, plan=plan)
+            loss, _ = ttt_forward(model, ids, aux, trows, mask, ttt, denom, chunk=chunk, attn_impl=kernel, recompute=recompute, plan=plan,
+                              compact_teacher=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()

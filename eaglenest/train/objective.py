@@ -99,6 +99,7 @@ class Eagle3Objective:
                 loss=self.loss,
                 want_alpha=want_alpha,
                 plan=plan,
+                compact_teacher=True,
             )
         return loss, stats, b.n_tokens
 

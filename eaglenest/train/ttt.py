@@ -143,7 +143,7 @@ def ttt_forward(
     draft: Eagle3Draft,
     input_ids: torch.Tensor,  # [B, T] int64
     aux: torch.Tensor,  # [B, T, 3H]
-    teacher: TeacherRows,  # the teacher's rows: all B*T positions (flattened), or the plan's `teacher_rows` only
+    teacher: TeacherRows,  # the teacher's rows: all B*T positions (flattened), or with compact_teacher the plan's `teacher_rows`
     loss_mask: torch.Tensor,  # [B, T]
     ttt: int,
     denom: torch.Tensor,  # [ttt] normalizers (global over the optimizer step)
@@ -154,13 +154,16 @@ def ttt_forward(
     loss: LossSpec = LossSpec(),
     want_alpha: bool = False,
     plan: RowPlan | None = None,
+    compact_teacher: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """Returns (weighted total loss, stats with per-step loss sums, correct and counted tokens; with
     `want_alpha` or a loss that computes it, also the sums of alpha and of p(draft argmax), see
     losses.soft_rows, over the counted tokens).
 
     plan: which rows each step computes (train/compaction.py; default: built here from the mask,
-    compacted); the loader builds it off the training thread.  Step 0 runs whole sequences, step
+    compacted); the loader builds it off the training thread.  compact_teacher: `teacher` holds only
+    the plan's teacher_rows (what the trainer builds), not every position -- said, never inferred
+    from its row count (a bucketed teacher_rows can be B*T rows long).  Step 0 runs whole sequences, step
     j > 0 only its plan's rows; the rows with a loss of every step then go through the draft head and
     the loss at once (losses.head_loss: gradients computed in the forward, no logits kept).
     attn_impl: "eager" (reference, materializes the scores), "chunked", "flex" or "sdpa", or a kernel
@@ -171,13 +174,11 @@ def ttt_forward(
     dev = input_ids.device
     kernel = causal_kernel(attn_impl) if isinstance(attn_impl, str) else attn_impl
     plan = (plan or plan_rows(loss_mask, ttt)).to(dev, non_blocking=True)
-    if teacher.view_rows() == B * T:
-        trows = plan.loss_teacher  # the teacher holds every position
-    elif teacher.view_rows() == plan.teacher_rows.numel():
-        trows = plan.teacher_index.index_select(0, plan.loss_teacher)
-    else:
-        raise ValueError(f"teacher has {teacher.view_rows()} rows for a [{B}, {T}] batch "
-                         f"(expected {B * T} or the plan's {plan.teacher_rows.numel()})")
+    want = plan.teacher_rows.numel() if compact_teacher else B * T
+    if teacher.view_rows() != want:
+        raise ValueError(f"teacher has {teacher.view_rows()} rows for a [{B}, {T}] batch (expected "
+                         + (f"the plan's {want} teacher rows)" if compact_teacher else f"{want}: every position)"))
+    trows = plan.teacher_index.index_select(0, plan.loss_teacher) if compact_teacher else plan.loss_teacher
     grad = torch.is_grad_enabled()
 
     def run(*args, **kw):
