@@ -67,7 +67,9 @@ def online(r):
 def train_ab(*rs):
     each = [(r["cpu_kind"], r["summary"]) for r in rs]
     return ("CPU training step vs the trainer before row compaction, the fused head + loss and bf16 parameters",
-            "; ".join(f"{k}: **{s['speedup_median']:.2f}x**, peak RSS {s['peak_rss_gib']['new']:.2f} vs {s['peak_rss_gib']['base']:.2f} GiB" for k, s in each)
+            "; ".join(f"{k} ({r['arms']['new']['commit'][:7]}): **{s['speedup_median']:.2f}x**, peak RSS {s['peak_rss_gib']['new']:.2f} vs "
+                      f"{s['peak_rss_gib']['base']:.2f} GiB, losses {'within' if s['losses_equal_within_tolerance'] else 'outside'} "
+                      "the tolerance" for r, (k, s) in zip(rs, each))
             + f"; held-out accuracy at most {max(s['eval_acc_max_abs_diff'] for _, s in each):.3f} apart",
             f"the demo recipe, {rs[0]['steps']} steps × {rs[0]['rounds']} paired rounds, " + ", ".join(f"{cpu(r)} ({r['cpu_kind']})" for r in rs))
 
