@@ -15,6 +15,10 @@
    of <= 2,048 tokens in 2,048-token batches at TTT 7.  The features are prepared and captured once
    (by the --base tree) into --cache.  Results: bench/results/train_step_ab_<recipe>_<cpu kind>.json.
 
+   Where the time goes: `profile` (same flags) runs each arm once more, --skip warm-up steps then 5
+   steps under torch.profiler: CPU time per op category per step and the GEMMs' GFLOP/s
+   -> bench/results/train_step_profile_<recipe>_<cpu kind>.json.
+
 2. One step on one device, eaglenest vs SpecForge 0.2.0 on the same synthetic inputs (GPU):
 
     python bench/train_step.py --impl both --shape llama8b --seq 2048,8192,32768 --steps 3 --warmup 1
@@ -551,14 +555,28 @@ step = T.Trainer.optimizer_step
 def timed(self, data):
     t = time.perf_counter(); r = step(self, data); times.append(time.perf_counter() - t); return r
 T.Trainer.optimizer_step = timed
+prof_at = [int(x) for x in os.environ.get("AB_PROFILE", "").split(",") if x]  # steps [a, b) under torch.profiler
+if prof_at:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU], with_flops=True)
+    def profiled(self, data, _t=timed):
+        if len(times) == prof_at[0]:
+            prof.__enter__()
+        r = _t(self, data)
+        if len(times) == prof_at[1]:
+            prof.__exit__(None, None, None)
+        return r
+    T.Trainer.optimizer_step = profiled
 from eaglenest.cli import main
 rc = main(json.loads(os.environ["AB_ARGV"]))
+ops = [[e.key, e.self_cpu_time_total / 1e6, e.count, e.flops] for e in prof.key_averages()] if prof_at else None
 out = os.environ["AB_OUT"]
 rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 final = json.load(open(os.path.join(out, "final.json")))
 print("RESULT " + json.dumps({"rc": rc, "step_s": times, "losses": [r["loss"] for r in rows], "tokens": [r["tokens"] for r in rows],
       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "eval": final.get("eval"),
-      "dtype": json.load(open(os.path.join(out, "config.json")))["train"]["dtype"]}))
+      "dtype": json.load(open(os.path.join(out, "config.json")))["train"]["dtype"], "ops": ops}))
 """
 
 
@@ -624,9 +642,62 @@ def ab(a) -> None:
     print(json.dumps(summary_, indent=1))
 
 
+PROFILE_STEPS = 5  # optimizer steps under the profiler, after --skip warm-up steps
+
+
+def profile_ab(a) -> None:
+    """Where a step's time goes, base vs new: one run of each arm, --skip steps of warm-up, then
+    PROFILE_STEPS steps under torch.profiler: CPU self time per op category (CATEGORIES) per step, the
+    GEMMs' arithmetic and rate (torch's FLOP count of mm/addmm/bmm), and the top ops."""
+    import statistics
+
+    import common
+
+    if a.results_dir:
+        common.RESULTS = Path(a.results_dir)
+    cache = Path(a.cache).expanduser()
+    arms = {"base": common.git_tree(cache, a.base), "new": common.git_tree(cache, a.new)}
+    feats = _features(a.recipe, cache, arms["base"][0])
+    model = str(Path("~/.cache/eaglenest/models/smollm2-135m-instruct").expanduser())
+    dtype = "bf16" if _cpu_kind() in ("amx", "avx512-bf16") else "fp32"
+    steps = a.skip + PROFILE_STEPS
+    flags = RECIPES[a.recipe][1] + ["--dtype", dtype, "--max-steps", str(steps), "--eval-every", str(10**9), "--device", "cpu"]
+    out = {}
+    for name in ("base", "new"):
+        run = cache / "runs" / f"{a.recipe}-profile-{name}"
+        argv = ["train", "--model", model, "--features", str(feats), "--out", str(run), "--overwrite", *flags]
+        env = {**os.environ, "AB_TREE": str(arms[name][0]), "AB_ARGV": json.dumps(argv), "AB_OUT": str(run),
+               "AB_PROFILE": f"{a.skip},{steps}", "EAGLENEST_NO_PROGRESS": "1", "PYTHONPATH": str(arms[name][0])}
+        res = common.child_result([sys.executable, "-c", AB_CHILD], env=env, cwd="/")
+        if "error" in res:
+            raise SystemExit(f"{name} arm failed: {res['error']}")
+        per: dict[str, float] = {}
+        gemm_flops = gemm_s = 0.0
+        for key, sec, _, flops in res["ops"]:
+            c = category(key)
+            per[c] = per.get(c, 0.0) + sec / PROFILE_STEPS
+            if c == "GEMM":
+                gemm_flops, gemm_s = gemm_flops + (flops or 0) / PROFILE_STEPS, gemm_s + sec / PROFILE_STEPS
+        top = sorted(res["ops"], key=lambda o: -o[1])[:15]
+        out[name] = {"rev": a.new if name == "new" else a.base, "commit": arms[name][1],
+                     "step_s": round(statistics.median(res["step_s"][a.skip:]), 4),
+                     "seconds_per_step": {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+                     "gemm_gflop_per_step": round(gemm_flops / 1e9, 2), "gemm_gflop_per_s": round(gemm_flops / 1e9 / gemm_s, 1) if gemm_s else None,
+                     "top": [{"name": k[:100], "category": category(k), "seconds_per_step": round(x / PROFILE_STEPS, 4), "calls": n}
+                             for k, x, n, _ in top]}
+        print(f"{name}: {json.dumps({k: out[name][k] for k in ('step_s', 'seconds_per_step', 'gemm_gflop_per_step', 'gemm_gflop_per_s')})}", flush=True)
+    (max_len, n), _ = RECIPES[a.recipe]
+    common.write_result(f"train_step_profile_{a.recipe}_{_cpu_kind()}", {
+        "kind": "train_step_profile", "recipe": a.recipe, "cpu_kind": _cpu_kind(), "data": {"conversations": n, "max_length": max_len},
+        "train_flags": flags, "profiled_steps": PROFILE_STEPS, "after_steps": a.skip,
+        "what": "CPU self time per op category per optimizer step (torch.profiler; categories read from op names: a guide, "
+                "not an audit), one run per arm, steps after the warm-up; GEMM arithmetic from torch's FLOP count",
+        "arms": out, "versions": versions()})
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["ab"]:
-        ap = argparse.ArgumentParser(prog="train_step.py ab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if sys.argv[1:2] in (["ab"], ["profile"]):
+        ap = argparse.ArgumentParser(prog=f"train_step.py {sys.argv[1]}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--recipe", choices=sorted(RECIPES), default="demo")
         ap.add_argument("--base", required=True, help="the earlier commit (git revision) the new tree is measured against")
         ap.add_argument("--new", default="HEAD", help="the commit measured (default HEAD); another one isolates a change from "
@@ -636,7 +707,7 @@ def main() -> None:
         ap.add_argument("--rounds", type=int, default=2, help="pairs of runs, in alternating order")
         ap.add_argument("--cache", default="~/.cache/eaglenest/bench/train_step", help="worktrees, data, features and run dirs")
         ap.add_argument("--results-dir", default=None)
-        return ab(ap.parse_args(sys.argv[2:]))
+        return (ab if sys.argv[1] == "ab" else profile_ab)(ap.parse_args(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", default="both", choices=["ours", "specforge", "both"])
     ap.add_argument("--seq", default="2048")
