@@ -1,6 +1,6 @@
 """Side-by-side recipe arms on the demo's data: one capture, many trainings, the same decode.
 
-Benchmarks that compare draft kinds or losses (bench/draft_kinds.py, bench/losses.py, ...) train
+Benchmarks that compare draft kinds or losses (bench/losses.py, bench/dflash.py, ...) train
 each arm with the demo's recipe (eaglenest/demo.py PRESETS) plus the arm's own flags, on ONE
 feature store, then decode all 80 MT-bench first turns with the same settings.  This module is
 the shared runner; it keeps nothing itself (each benchmark writes its own result file).

@@ -7,8 +7,8 @@ M-row input; the row-wise fallback (evaluate/rowwise/linears.py) slices a reshap
 
 Per M, the arms alternate within each repetition; the median over repetitions is recorded (ms for
 all 211 linears of one forward).  Where the kernel stops paying against torch's batched kernel is
-what `--linears auto` uses (rowwise.linears.GEMV_AUTO_MAX_ROWS, per build).  Result: bench/results/gemv_rows_cpu.json
-(AVX512-BF16 build) or gemv_rows_cpu_<isa>.json.
+what `--linears auto` uses (rowwise.linears.GEMV_AUTO_MAX_ROWS, per CPU kind: torch's batched kernels
+differ most between them).  Result: bench/results/gemv_rows_cpu_<cpu kind>.json.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ def main() -> int:
     import torch.nn.functional as F
 
     from common import write_result
-    from eaglenest.evaluate.rowwise.linears import GEMV_AUTO_MAX_ROWS
+    from eaglenest.evaluate.rowwise.linears import auto_max_rows
     from eaglenest.models.fetch import fetch
     from eaglenest.models.target import load_target
     from eaglenest.native import gemv
+    from eaglenest.utils import cpu_kind
 
     torch.set_num_threads(1)
     lib, why = gemv.load()
@@ -72,14 +73,13 @@ def main() -> int:
         table[str(M)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
         print(M, table[str(M)], flush=True)
     faster = [int(M) for M, t in table.items() if t["kernel"] < t["torch_batched"]]
-    isa = gemv.isa()  # the AVX512-BF16 build's file keeps its first name
-    write_result("gemv_rows_cpu" if isa == "avx512-bf16" else f"gemv_rows_cpu_{isa}", {
-        "isa": isa,
+    write_result(f"gemv_rows_cpu_{cpu_kind()}", {
+        "isa": gemv.isa(), "cpu_kind": cpu_kind(),
         "what": "ms for the 211 bf16 linears of one SmolLM2 forward with M rows, 1 thread: gemv kernel vs torch",
         "linears": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights), "reps": a.reps,
         "ms_per_forward": table,
         "kernel_faster_than_torch_batched_up_to": max((M for M in faster if all(m in faster for m in rows if m <= M)), default=0),
-        "auto_max_rows": GEMV_AUTO_MAX_ROWS[isa],
+        "auto_max_rows": auto_max_rows(),
     })
     return 0
 

@@ -7,7 +7,7 @@ Predicted tau, two ways, per arm: from the held-out ShareGPT split at the end of
 (`final.json`: accept at T0 = argmax agreement, at T1 = alpha), and on an MT-bench proxy: the 80
 prompts followed by the target's own answers -- greedy (the T0 decode of arm `l-ce`: greedy output
 equals plain greedy) for T0, sampled (its T1 decode: lossless, so these are target samples) for
-T1 -- captured like training data and scored teacher-forced (bench/tau_levers.py `mt`).
+T1 -- captured like training data and scored teacher-forced (`proxy_eval` below).
 
 Run as resumable pieces (each under /work/team/heavy, logs beside the arms):
     python bench/losses.py train l-ce          # one arm's training (skipped when done)
@@ -58,24 +58,78 @@ def proxy_dirs() -> dict[float, Path]:
     return {t: work_root(PRESET) / "losses-proxy" / f"t{t:g}" for t in TEMPERATURES}
 
 
+def build_proxy(report: Path, out: Path) -> None:
+    """An MT-bench proxy store: the prompt ids exactly as the evaluator builds them + the target's output
+    ids from a decode's report, as tokenized rows (loss on the answers); then the ordinary prepare and capture."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.cli import main
+    from eaglenest.evaluate.mtbench import load_mtbench
+    from eaglenest.evaluate.run import chat_prompt_ids
+    from eaglenest.models.fetch import fetch
+
+    model = str(fetch("smollm2"))
+    tok = AutoTokenizer.from_pretrained(model)
+    questions = {p.id: p for p in load_mtbench()}
+    out.mkdir(parents=True, exist_ok=True)
+    rows = out / "rows.jsonl"
+    with rows.open("w") as f:
+        for r in json.loads(report.read_text())["per_prompt"]:
+            if r["turn"] != 1:
+                continue
+            ids = chat_prompt_ids(tok, [{"role": "user", "content": questions[r["id"]].turns[0]}])
+            f.write(json.dumps({"id": f"mt{r['id']}", "input_ids": ids + r["output_ids"],
+                                "loss_mask": [0] * len(ids) + [1] * len(r["output_ids"])}) + "\n")
+    main(["prepare", "--model", model, "--data", str(rows), "--out", str(out / "data")])
+    main(["capture", "--model", model, "--data", str(out / "data"), "--out", str(out / "features")])
+
+
 def proxy() -> None:
     """The MT-bench proxies from l-ce's decodes (the prompts + the target's own answers)."""
-    import tau_levers
     from arms import eval_report
 
     for t, d in proxy_dirs().items():
         if not (d / "features" / "store.json").exists():
-            tau_levers.proxy(argparse.Namespace(report=str(eval_report("l-ce", t, PRESET)), out=str(d)))
+            build_proxy(Path(eval_report("l-ce", t, PRESET)), d)
+
+
+def score_on_proxy(run: Path, proxy_features: Path, tmp: Path) -> dict:
+    """The held-out evaluation (Trainer.evaluate: accuracy, alpha, predicted tau) of RUN's final
+    checkpoint over every sample of a proxy store; `n_samples` added."""
+    import shutil
+
+    import torch
+
+    from eaglenest.train.data import Schedule
+    from eaglenest.train.trainer import Trainer, TrainConfig
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "checkpoints").mkdir(parents=True)
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    shutil.copy(run / "vocab.safetensors", tmp)
+    shutil.copy(run / "checkpoints" / "latest.json", tmp / "checkpoints")
+    shutil.copytree(run / "checkpoints" / latest["dir"], tmp / "checkpoints" / latest["dir"])
+    c = json.loads((run / "config.json").read_text())["train"]
+    # resume = the run's vocabulary and weights; its optimizer state is not needed
+    torch.optim.AdamW.load_state_dict = lambda self, sd: None
+    torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, sd: None
+    tr = Trainer(TrainConfig(model=c["model"], features=str(proxy_features), out=str(tmp), ttt_steps=c["ttt_steps"],
+                             draft_vocab=c["draft_vocab"], eval_fraction=0.5, dtype=c["dtype"], resume=True,
+                             serve_steps=c.get("serve_steps", 3)))
+    st = tr.store
+    tr.eval_batches = Schedule(st.lengths(), list(range(len(st))), 1024, 1, 0, 2048).batches  # every proxy sample
+    ev = tr.evaluate()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {**ev, "n_samples": len(st)}
 
 
 def proxy_eval(name: str, t: float) -> dict:
     """The arm's final checkpoint scored teacher-forced on the proxy at temperature t (cached)."""
-    import tau_levers
     from arms import arm_dir
 
     out = arm_dir(name, PRESET) / f"proxy-t{t:g}.json"
     if not out.exists():
-        ev = tau_levers.proxy_eval(arm_dir(name, PRESET) / "run", proxy_dirs()[t] / "features", arm_dir(name, PRESET) / "_proxy")
+        ev = score_on_proxy(arm_dir(name, PRESET) / "run", proxy_dirs()[t] / "features", arm_dir(name, PRESET) / "_proxy")
         out.write_text(json.dumps(ev, indent=2) + "\n")
     return json.loads(out.read_text())
 

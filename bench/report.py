@@ -61,13 +61,6 @@ RETIRED: dict[str, str] = {
     "capture_gpu_llama8b.json": "capture vs a plain forward on an H200, written from a dirty tree: re-run with bench/gpu_run.sh",
     "dflash.json": "DFlash vs EAGLE-3 trained for the same time on a CPU, written from a dirty tree: re-run bench/dflash.py "
                    "(render module: bench/render/dflash.py in git history)",
-    "draft_kinds.json": "EAGLE-3 vs EAGLE 3.1 flags and GQA vs MLA drafts: carries arms of an earlier run under its own "
-                        "provenance: re-run bench/draft_kinds.py for every arm (render module: bench/render/draft_kinds.py in git history)",
-    "demo_time_gemv.json": "the full `make demo` per stage: its note types figures (and breaks its command): re-run "
-                           "bench/demo_time.py run + collect without figures in --note",
-    "gemv_rows_cpu.json": "the gemv kernel vs torch by rows on AVX512-BF16 (behind rowwise.linears.GEMV_AUTO_MAX_ROWS): written from a "
-                          "dirty tree whose commit lacks bench/gemv_rows.py: re-run bench/gemv_rows.py --reps 5 (the gemv_rows block "
-                          "then renders it beside the AVX2 build's, keyed by its isa)",
 }
 
 # What counts as a figure.  A plain integer of at most four digits is how the pages name ids, ranks,

@@ -523,8 +523,9 @@ def _divergence(a: list[float], b: list[float]) -> dict:
 
 
 def _cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "other"
+    from eaglenest.utils import cpu_kind
+
+    return cpu_kind()
 
 
 def _features(recipe: str, cache: Path, tree: Path) -> Path:

@@ -21,7 +21,7 @@ from eaglenest import EaglenestError
 from eaglenest.config import add_command, option
 
 # Full: aims at <= 25 min on 2 CPU cores once the environment exists, not met on every machine (no clean
-# timing is published: bench/report.py RETIRED demo_time_gemv.json); --quick: minutes, same outputs.
+# timing is published: bench/demo_time.py's last run is in git history); --quick: minutes, same outputs.
 PRESETS = {
     "full": {
         # Held-out accuracy is limited by optimizer steps and by unique data (a 4th epoch over 300

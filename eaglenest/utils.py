@@ -261,6 +261,15 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cpu_kind() -> str:
+    """The CPU's bf16 class, the key of every per-CPU choice and benchmark file: "amx" (Intel AMX tiles:
+    torch's bf16 GEMMs run on them), "avx512-bf16" (bf16 dot products, no tiles), "avx2" (bf16
+    emulated), or "other"."""
+    flags = cpu_flags()
+    return ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
+            else "avx2" if "avx2" in flags else "other")
+
+
 def auto_dtype(choice: str, device: str = "auto", engine: str = "hf") -> tuple[str, str]:
     """(dtype, why) a target runs in for `capture --dtype CHOICE` (and the demo's training).  auto =
     bf16, the dtype the engines serve, except for an in-process model on a CPU without bf16 matrix

@@ -118,9 +118,9 @@ def test_bf16_prefill_env_keeps_torchs_gemm(kernel, tiny_llama_dir, monkeypatch)
 
 
 def test_auto_leaves_large_verifications_to_torch_and_kernel_forces_it(kernel, tiny_llama_dir):
-    """Above GEMV_AUTO_MAX_ROWS verified rows (large trees) `auto` keeps torch's GEMM, saying why;
+    """Above auto_max_rows() verified rows (large trees) `auto` keeps torch's GEMM, saying why;
     `--linears kernel` installs the kernel for them anyway, and verification is still exact."""
-    many = linears.GEMV_AUTO_MAX_ROWS[gemv.isa()] + 4
+    many = linears.auto_max_rows() + 4
     m = load_tiny(tiny_llama_dir, dtype=torch.bfloat16)
     v = linears.install_gemv(m, many, "auto")
     assert v["kernel"] == "torch" and f"verification of {many} rows" in v["why"]

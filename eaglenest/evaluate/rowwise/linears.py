@@ -20,10 +20,17 @@ from eaglenest.evaluate.rowwise import each_row, rows, set_forward
 from eaglenest.native import gemv
 
 LINEAR_CHOICES = ("auto", "kernel", "torch")
-# `--linears auto` takes the gemv kernel for verifications of at most this many rows, per build: where
-# it stops beating torch's batched kernels (bench/results/gemv_rows_cpu_avx2.json; the avx512-bf16 limit's
-# file, gemv_rows_cpu.json, is retired until re-run: bench/report.py RETIRED)
-GEMV_AUTO_MAX_ROWS = {"avx512-bf16": 8, "avx2": 64}
+# `--linears auto` takes the gemv kernel for verifications of at most this many rows, per CPU kind
+# (utils.cpu_kind): where it stops beating torch's batched kernels, which on AMX run on its tiles
+# (bench/results/gemv_rows_cpu_<kind>.json; amx's from a dirty tree: git show 8881492:bench/results/gemv_rows_cpu.json)
+GEMV_AUTO_MAX_ROWS = {"amx": 8, "avx512-bf16": 32, "avx2": 64}
+
+
+def auto_max_rows() -> int:
+    """The most verified rows `--linears auto` gives the kernel on this CPU."""
+    from eaglenest.utils import cpu_kind
+
+    return GEMV_AUTO_MAX_ROWS[cpu_kind()]
 
 
 def _linear_by_rows(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +65,7 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
     """Put the model's bf16 CPU Linears on the row-invariant gemv kernel (native/gemv.py) for
     forwards of 1..max_rows rows -- plain decoding and verification then run the same per-row
     arithmetic -- where `linears` asks for it ('auto': where it can run, for verifications of at most
-    GEMV_AUTO_MAX_ROWS[its build] rows; 'kernel': required; 'torch': never).
+    auto_max_rows() rows on this CPU; 'kernel': required; 'torch': never).
     Returns the report's `linears` block."""
     from eaglenest import EaglenestError
 
@@ -73,7 +80,7 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         why = "no bf16 CPU Linear layers"
     else:
         why = gemv.load()[1]
-        if not why and linears == "auto" and max_rows > (limit := GEMV_AUTO_MAX_ROWS[isa]):
+        if not why and linears == "auto" and max_rows > (limit := auto_max_rows()):
             why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's "
                    f"batched kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
     if why:
