@@ -23,7 +23,7 @@ LINEAR_CHOICES = ("auto", "kernel", "torch")
 # `--linears auto` takes the gemv kernel for verifications of at most this many rows, per CPU kind
 # (utils.cpu_kind): where it stops beating torch's batched kernels, which on AMX run on its tiles
 # (bench/results/gemv_rows_cpu_<kind>.json; amx's from a dirty tree: git show 8881492:bench/results/gemv_rows_cpu.json)
-GEMV_AUTO_MAX_ROWS = {"amx": 8, "avx512-bf16": 32, "avx2": 64}
+GEMV_AUTO_MAX_ROWS = {"amx": 8, "avx512-bf16": 16, "avx2": 64}
 
 
 def auto_max_rows() -> int:
