@@ -230,6 +230,10 @@ def cmd_report(a) -> None:
         raise SystemExit("nothing to report: train and eval the eagle3 arm (and the DFlash arms) first")
     regen_info = json.loads((work() / "dflash-regen.json").read_text())
     speed = work() / "dflash-regen-speed.json"
+    for arm in res:
+        if arm != "eagle3":  # tau paired prompt by prompt (the same 80 prompts): the interval is the prompts' resampling
+            res[arm]["tau_vs_eagle3"] = arms.paired_delta_tau(json.loads(eval_path("eagle3").read_text()),
+                                                              json.loads(eval_path(arm).read_text()))
     best = max((k for k in res if k != "eagle3"), key=lambda k: res[k]["eval"]["tau"], default=None)
     write_result("dflash", {
         "what": "DFlash vs EAGLE-3 drafts for SmolLM2-135M-Instruct trained for the same wall time on this CPU, on the demo's "
