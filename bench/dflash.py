@@ -9,7 +9,7 @@ Pieces (each resumable; run the long ones one at a time, in the background, with
     python bench/dflash.py train eagle3            # the demo recipe (bench/arms.py train_flags) on that data
     python bench/dflash.py train dflash-b16        # DFlash, as many steps as fit in eagle3's training wall time
     python bench/dflash.py eval ARM                # all 80 MT-bench first turns, 128 tokens, greedy, plain baseline on all 80
-    python bench/dflash.py report                  # bench/results/dflash.json (every arm trained and decoded so far)
+    python bench/dflash.py report --alongside TEXT # bench/results/dflash.json (every arm trained and decoded so far)
     python bench/dflash.py start [--steps N]       # where each kind starts and how its loss falls -> dflash_start.json
 
 `start` (issue 42: does a DFlash draft start where it can learn?) trains, on one prepared ShareGPT
@@ -249,8 +249,7 @@ def cmd_report(a) -> None:
         "arms": res,
         "best_dflash": best,
         "dflash_wins": bool(best and res[best]["eval"]["speedup"] > res["eagle3"]["eval"]["speedup"]),
-        "load_note": "the pieces ran one after another on this machine (regeneration, the two captures, the two trainings, "
-                     "the two decodes), no other benchmark alongside (the regeneration shared the CPU with short profiling runs)",
+        "alongside": a.alongside,  # what else used the CPU while the pieces ran, as the person who ran them says
     })
 
 
@@ -325,6 +324,9 @@ def main() -> None:
         if name == "regen":
             p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
             p.add_argument("--limit", type=int, help="regenerate only the first N conversations (re-run with a larger N to extend)")
+        if name == "report":
+            p.add_argument("--alongside", required=True,
+                           help="what else used this CPU while the pieces ran (recorded as given; no figures)")
         if name == "start":
             p.add_argument("--steps", type=int, default=100, help="optimizer steps per arm")
         p.set_defaults(func=fn)
