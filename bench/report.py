@@ -59,8 +59,6 @@ RETIRED: dict[str, str] = {
        "(the GPU machine's copy of the tree differed from its commit): re-run bench/gpu_run.sh at a clean commit"
        for t in (2048, 8192, 32768, 131072)},
     "capture_gpu_llama8b.json": "capture vs a plain forward on an H200, written from a dirty tree: re-run with bench/gpu_run.sh",
-    "dflash.json": "DFlash vs EAGLE-3 trained for the same time on a CPU, written from a dirty tree: re-run bench/dflash.py "
-                   "(render module: bench/render/dflash.py in git history)",
 }
 
 # What counts as a figure.  A plain integer of at most four digits is how the pages name ids, ranks,
