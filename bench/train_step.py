@@ -705,7 +705,11 @@ def main() -> None:
         ap.add_argument("--rounds", type=int, default=2, help="pairs of runs, in alternating order")
         ap.add_argument("--cache", default="~/.cache/eaglenest/bench/train_step", help="worktrees, data, features and run dirs")
         ap.add_argument("--results-dir", default=None)
-        return (ab if sys.argv[1] == "ab" else profile_ab)(ap.parse_args(sys.argv[2:]))
+        a = ap.parse_args(sys.argv[2:])
+        if sys.argv[1] == "ab" and a.steps < max(WINDOW, a.skip + 1):
+            # the loss comparison reads windows of WINDOW steps; the median skips the first --skip
+            ap.error(f"--steps {a.steps}: at least {max(WINDOW, a.skip + 1)} (one {WINDOW}-step loss window, more than --skip {a.skip})")
+        return (ab if sys.argv[1] == "ab" else profile_ab)(a)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", default="both", choices=["ours", "specforge", "both"])
     ap.add_argument("--seq", default="2048")
