@@ -136,7 +136,8 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
     import torch
 
     from eaglenest.draft.kernels import causal_kernel
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config
+    from eaglenest.draft.model import Eagle3Draft
     from eaglenest.draft.vocab import draft_ids_to_target
     from eaglenest.train.compaction import plan_rows
     from eaglenest.train.precision import MasterWeights
@@ -145,7 +146,7 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
 
     s = SHAPES[shape]
     cuda = device.startswith("cuda")
-    cfg = DraftConfig(
+    cfg = Eagle3Config(
         hidden_size=s["H"], intermediate_size=s["I"], num_attention_heads=s["nh"], num_key_value_heads=s["nkv"],
         head_dim=s["hd"], vocab_size=s["V"], draft_vocab_size=s["Vd"], target_hidden_size=s["H"],
         aux_layer_ids=[1, 2, 3], target_num_layers=32, max_position_embeddings=max(8192, T + ttt),
@@ -290,10 +291,11 @@ _SAVED_MODEL: dict = {}
 def _bare_model(shape, inp):
     import torch
 
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config
+    from eaglenest.draft.model import Eagle3Draft
 
     s = SHAPES[shape]
-    cfg = DraftConfig(
+    cfg = Eagle3Config(
         hidden_size=s["H"], intermediate_size=s["I"], num_attention_heads=s["nh"], num_key_value_heads=s["nkv"],
         head_dim=s["hd"], vocab_size=s["V"], draft_vocab_size=s["Vd"], target_hidden_size=s["H"],
         aux_layer_ids=[1, 2, 3], target_num_layers=32, rope_parameters={"rope_type": "default", "rope_theta": s["theta"]},

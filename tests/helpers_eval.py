@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eaglenest.capture.layers import default_layer_ids
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.evaluate.specdec import Proposal
 
@@ -58,10 +58,10 @@ KINDS = {"eagle3": {}, "eagle31-mla": {"attention": "mla", "fc_norm": True, "nor
 
 def random_draft(target, draft_vocab: int = 4096, seed: int = 0, always: list[int] | None = None, **kind) -> Eagle3Draft:
     """A random-init draft that fits `target`: arbitrary token counts for the vocabulary, the
-    target's embeddings, canonical aux ids; `kind`: DraftConfig.from_target's attention / fc_norm / norm_output."""
+    target's embeddings, canonical aux ids; `kind`: Eagle3Config.from_target's attention / fc_norm / norm_output."""
     cfg_t = target.config
     g = torch.Generator().manual_seed(seed)
-    cfg = DraftConfig.from_target(cfg_t, draft_vocab, default_layer_ids(cfg_t.num_hidden_layers), **kind)
+    cfg = Eagle3Config.from_target(cfg_t, draft_vocab, default_layer_ids(cfg_t.num_hidden_layers), **kind)
     torch.manual_seed(seed)
     d = Eagle3Draft(cfg, embed_weight=target.get_input_embeddings().weight)
     counts = torch.randint(0, 1000, (cfg_t.vocab_size,), generator=g)

@@ -9,7 +9,8 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.draft import draft_model
-from eaglenest.draft.model import DraftConfig, apply_rope
+from eaglenest.draft.dflash import DFlashConfig
+from eaglenest.draft.model import apply_rope
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.data import Batch
 from eaglenest.train.objective import DFlashObjective, dpace_weights, paper_decay, sample_anchors
@@ -18,11 +19,11 @@ V, H, NL = 300, 32, 5  # vocabulary, hidden, target layers
 
 
 def tiny_dflash(seed=0, layers=2, block=4, Vd=120):
-    cfg = DraftConfig(
+    cfg = DFlashConfig(
         hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[1, 2, 4, 5, 6], target_num_layers=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        kind="dflash", num_hidden_layers=layers, block_size=block, mask_token_id=7,
+        num_hidden_layers=layers, block_size=block, mask_token_id=7,
     )
     torch.manual_seed(seed)
     d = draft_model(cfg, embed_weight=torch.randn(V, H))

@@ -10,7 +10,7 @@ from helpers_eval import oracle_chain, plain_greedy
 from test_eval_specdec import exact_tiny, tiny, tiny_verified  # noqa: F401 -- shared fixtures
 
 from eaglenest.draft import draft_model
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.dflash import DFlashConfig
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.evaluate.dflash import DFlashDecoder
 from eaglenest.evaluate.specdec import PlainDecoder
@@ -24,10 +24,8 @@ BLOCKS = [4, 7]
 
 def random_dflash(target, block: int, layers: int = 2, draft_vocab: int = 4096, seed: int = 0):
     cfg_t = target.config
-    base = DraftConfig.from_target(cfg_t, draft_vocab, [2, 4, 6, 7])  # four target layers
-    from dataclasses import replace
-
-    cfg = replace(base, kind="dflash", block_size=block, num_hidden_layers=layers, mask_token_id=16)
+    cfg = DFlashConfig.from_target(cfg_t, draft_vocab, [2, 4, 6, 7], block_size=block, num_hidden_layers=layers,  # four target layers
+                                   mask_token_id=16)
     torch.manual_seed(seed)
     d = draft_model(cfg, embed_weight=target.get_input_embeddings().weight)
     g = torch.Generator().manual_seed(seed)

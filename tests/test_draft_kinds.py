@@ -19,7 +19,8 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.draft import kernels
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.ttt import TeacherRows, denominators, ttt_forward
 
@@ -36,7 +37,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 
 def tiny(kind: dict, seed=0, V=300, Vd=120, H=32, rope=None, dtype=torch.float64) -> Eagle3Draft:
-    cfg = DraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[2, 4, 5], target_num_layers=8,
                       max_position_embeddings=64, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
                       target_architecture="LlamaForCausalLM", **kind)
@@ -226,9 +227,32 @@ def test_old_configs_without_the_kind_fields_load_as_eagle3():
     d = tiny({}).cfg.to_dict()
     old = {k: v for k, v in d.items() if k not in ("fc_norm", "norm_output", "attention", "q_lora_rank", "kv_lora_rank",
                                                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
-    c = DraftConfig.from_dict(old)
+    old.pop("kind")
+    c = DraftConfig.from_dict(old)  # the base reads the kind (none: EAGLE-3) and returns its class
+    assert type(c) is Eagle3Config and c.kind == "eagle3"
     assert (c.fc_norm, c.norm_output, c.attention, c.kv_lora_rank) == (False, False, "gqa", None)
     assert set(Eagle3Draft(c).state_dict()) == set(Eagle3Draft(DraftConfig.from_dict(d)).state_dict())
+
+
+def test_each_kind_config_holds_only_its_own_fields_and_reads_back_as_its_class():
+    from dataclasses import fields
+
+    from eaglenest.draft.dflash import DFlashConfig
+
+    base = {f.name for f in fields(DraftConfig)}
+    eagle3 = {f.name for f in fields(Eagle3Config)} - base
+    dflash = {f.name for f in fields(DFlashConfig)} - base
+    assert "fc_norm" in eagle3 and "attention" in eagle3 and "block_size" in dflash and not eagle3 & dflash
+    e = tiny({}).cfg
+    d = DFlashConfig(**{k: getattr(e, k) for k in base if k != "kind"}, block_size=4, mask_token_id=7)
+    for c in (e, d):
+        assert DraftConfig.from_dict(c.to_dict()) == c and type(DraftConfig.from_dict(c.to_dict())) is type(c)
+    # a config written while DraftConfig was the union of the kinds' fields reads back without the other kind's keys
+    union = {**e.to_dict(), "block_size": 0, "mask_token_id": None}
+    assert DraftConfig.from_dict(union) == e
+    assert DraftConfig.from_dict({**d.to_dict(), "fc_norm": False, "attention": "gqa", "q_lora_rank": None}) == d
+    with pytest.raises(EaglenestError, match="gqa"):  # DFlash has no MLA option
+        DFlashConfig.attention_fields(type("S", (), {"attention": "mla"})())
 
 
 # --- export and check-draft ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import default_layer_ids
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.shape import describe, draft_shape
 from eaglenest.export.check import judge
 from eaglenest.export.format import WEIGHT_DTYPE, expected_tensors, hf_config
@@ -65,7 +65,7 @@ def test_train_flags_reach_the_draft_config():
 
 
 def test_kimi_k25_draft_exports_and_checks_on_the_meta_device(tmp_path):
-    cfg = DraftConfig.from_target(KIMI_K25, 163840, default_layer_ids(61))
+    cfg = Eagle3Config.from_target(KIMI_K25, 163840, default_layer_ids(61))
     assert cfg.draft_vocab_size == cfg.vocab_size == 163840 and cfg.max_position_embeddings == 262144
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
@@ -98,12 +98,12 @@ def test_kimi_k25_draft_exports_and_checks_on_the_meta_device(tmp_path):
 
 
 def test_kimi_k25_trained_on_other_layers_writes_the_sglang_deepseek_form():
-    cfg = DraftConfig.from_target(KIMI_K25, 32000, [2, 20, 40])
+    cfg = Eagle3Config.from_target(KIMI_K25, 32000, [2, 20, 40])
     raw = hf_config(cfg)
     assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 19, 39]}  # SGLang adds 1: first id is 1
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 20, 40]
     with pytest.raises(EaglenestError, match="cannot be served on SGLang"):
-        hf_config(DraftConfig.from_target(KIMI_K25, 32000, [1, 20, 40]))
+        hf_config(Eagle3Config.from_target(KIMI_K25, 32000, [1, 20, 40]))
 
 
 def test_torchspec_style_kimi_k25_draft_is_judged_per_engine(tmp_path):
@@ -150,8 +150,8 @@ def test_train_dry_run_prints_both_kinds_at_the_kimi_k25_shape(tmp_path, capsys)
                  "--draft-attention", "mla"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "run").exists()
-    gqa = DraftConfig.from_target(KIMI_K25, 163840, default_layer_ids(61))
-    mla = DraftConfig.from_target(KIMI_K25, 163840, default_layer_ids(61), attention="mla")
+    gqa = Eagle3Config.from_target(KIMI_K25, 163840, default_layer_ids(61))
+    mla = Eagle3Config.from_target(KIMI_K25, 163840, default_layer_ids(61), attention="mla")
     assert (mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
             mla.intermediate_size, mla.hidden_size) == (64, 1536, 512, 128, 64, 128, 18432, 7168)
     g, m = draft_sizes(gqa), draft_sizes(mla)

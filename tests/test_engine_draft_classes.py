@@ -122,7 +122,7 @@ def test_vllm_draft_modules_compute_and_feed_back_what_we_trained(tmp_path, smol
     from vllm_helpers import vllm_python
 
     from eaglenest.capture.layers import default_layer_ids
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
     from eaglenest.draft.vocab import build_vocab
     from eaglenest.export.check import judge_draft
     from eaglenest.models.target import load_config
@@ -138,7 +138,7 @@ def test_vllm_draft_modules_compute_and_feed_back_what_we_trained(tmp_path, smol
     for i, (target, kind) in enumerate([(smollm2, {"fc_norm": True, "norm_output": True}), (smollm2, {"fc_norm": True, "norm_output": True}),
                                         (dsv3, {"attention": "mla", "fc_norm": True, "norm_output": True})]):
         tc = load_config(target)
-        cfg = DraftConfig.from_target(tc, 2048, default_layer_ids(tc.num_hidden_layers), **kind)
+        cfg = Eagle3Config.from_target(tc, 2048, default_layer_ids(tc.num_hidden_layers), **kind)
         emb = target_head(target)["embed"].float()
         torch.manual_seed(i)
         d = Eagle3Draft(cfg, embed_weight=emb)

@@ -156,9 +156,9 @@ def test_hidden_size_mismatch_is_one_line_error(tiny_llama_dir, tmp_path, bench_
 
     other = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16, vocab_size=49152)
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 
-    d = Eagle3Draft(DraftConfig.from_target(other, 256, [1, 2, 3]))
+    d = Eagle3Draft(Eagle3Config.from_target(other, 256, [1, 2, 3]))
     d.d2t.zero_()
     d.t2d[:256] = True
     save_draft(d, tmp_path / "bad")
@@ -172,12 +172,13 @@ def test_hidden_size_mismatch_is_one_line_error(tiny_llama_dir, tmp_path, bench_
 def test_check_draft_fits_messages(tiny_llama_dir):
     from transformers import AutoConfig
 
-    from eaglenest.draft.model import DraftConfig
+    from eaglenest.draft.config import DraftConfig
+    from eaglenest.draft.model import Eagle3Config
     from eaglenest.evaluate.run import check_draft_fits
 
     tcfg = AutoConfig.from_pretrained(tiny_llama_dir)
     N = tcfg.num_hidden_layers
-    ok = DraftConfig.from_target(tcfg, 1024, [2, 3, N - 1])
+    ok = Eagle3Config.from_target(tcfg, 1024, [2, 3, N - 1])
     check_draft_fits(ok, tcfg)
     for change, match in [({"vocab_size": 1000}, "vocabulary size"), ({"aux_layer_ids": [2, 3, N]}, "aux layer ids"),
                           ({"target_num_layers": N + 1}, f"{N + 1}-layer")]:

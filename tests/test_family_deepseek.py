@@ -133,7 +133,7 @@ def test_first_layer_one_cannot_be_served_by_sglang(dsv3, ds_data, tmp_path, cap
 def test_kimi_k2_and_deepseek_v2_targets(tmp_path, smollm2):
     """Kimi-K2 ships model_type `kimi_k2` (remote code): loaded as DeepSeek-V3 without trusting remote
     code; DeepSeek-V2 (no q_lora) captures and gets the MLA draft shape too."""
-    from eaglenest.draft.model import DraftConfig
+    from eaglenest.draft.model import Eagle3Config
     from eaglenest.engines.base import Request
     from eaglenest.engines.hf import HFEngine
     from eaglenest.models.target import load_config, target_facts
@@ -145,7 +145,7 @@ def test_kimi_k2_and_deepseek_v2_targets(tmp_path, smollm2):
         with HFEngine(str(d), layers="auto", dtype="fp32", device="cpu") as e:
             (cap,) = e.capture([Request("x", [1, 5, 9, 200, 3000])])
         assert e.layer_ids == [2, 3, 4] and cap.aux_hidden_states.shape == (5, 3 * 64)
-        cfg = DraftConfig.from_target(load_config(d), 256, [2, 3, 4])
+        cfg = Eagle3Config.from_target(load_config(d), 256, [2, 3, 4])
         assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 4, 32)
     with pytest.raises(EaglenestError, match="not a known family"):
         target_facts({"model_type": "made_up", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 9})

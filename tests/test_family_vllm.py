@@ -99,7 +99,7 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from eaglenest.capture.layers import default_layer_ids
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
     from eaglenest.evaluate.run import evaluate
     from eaglenest.export.format import save_draft
     from eaglenest.models.target import load_config
@@ -114,7 +114,7 @@ def test_vllm_loads_and_serves_the_mla_default_draft_shape(tmp_path, smollm2):
     LlamaForCausalLM(tcfg).save_pretrained(target)
     AutoTokenizer.from_pretrained(smollm2).save_pretrained(target)
     mla_defaults = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32}  # as draft/shape.py picks for MLA
-    cfg = DraftConfig.from_target(load_config(target), 49152, default_layer_ids(8), shape=mla_defaults)
+    cfg = Eagle3Config.from_target(load_config(target), 49152, default_layer_ids(8), shape=mla_defaults)
     assert (cfg.head_dim * cfg.num_attention_heads, cfg.hidden_size, cfg.rope_parameters["factor"]) == (128, 64, 64.0)
     d = Eagle3Draft(cfg)
     for m in d.modules():

@@ -9,7 +9,8 @@ import torch
 
 from eaglenest.draft import kernels
 from eaglenest.draft.kernels import FlexCausal, bucket_length, causal_attention_lse, causal_block_mask
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config
+from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.losses import TeacherRows
 from eaglenest.train.ttt import Teacher, denominators, ttt_forward
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def draft(n_head=4, n_kv=2, hd=8, H=32, V=300, Vd=120, seed=0, dtype=torch.float64):
-    cfg = DraftConfig(
+    cfg = Eagle3Config(
         hidden_size=H, intermediate_size=2 * H, num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=hd,
         vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[1, 2, 3], target_num_layers=6,
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.evaluate import specdec
 from eaglenest.evaluate.specdec import PlainDecoder, SpecDecoder
@@ -62,7 +62,7 @@ def build_models():
         for p in target.parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        draft = Eagle3Draft(DraftConfig.from_target(cfg, VD, [0, 1, 2]), embed_weight=target.get_input_embeddings().weight)
+        draft = Eagle3Draft(Eagle3Config.from_target(cfg, VD, [0, 1, 2]), embed_weight=target.get_input_embeddings().weight)
         for n, p in draft.named_parameters():
             if p.dim() == 2 and "embed" not in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)

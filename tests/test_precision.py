@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file
 from test_train import cfg, keep_only_step3, losses, tiny_store  # noqa: F401 -- the module's store fixture
 
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config
+from eaglenest.draft.model import Eagle3Draft
 from eaglenest.train.precision import MasterWeights
 from eaglenest.train.trainer import Trainer
 
 
 def small_draft():
-    c = DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=50,
+    c = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=50,
                     draft_vocab_size=20, target_hidden_size=16, aux_layer_ids=[1, 2, 3], target_num_layers=4)
     torch.manual_seed(0)
     d = Eagle3Draft(c, embed_weight=torch.randn(50, 16))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.model import Eagle3Config
 from eaglenest.draft.vocab import build_vocab, draft_ids_to_target
 from eaglenest.features import FeatureStore, FeatureWriter, StoreMeta
 from eaglenest.train.checkpoint import Checkpointer, check_resume
@@ -43,7 +43,7 @@ def store(tmp_path_factory):
 
 
 def dcfg(Vd=50):
-    return DraftConfig(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=V,
+    return Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=V,
                        draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[1, 2, 3], target_num_layers=6)
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from eaglenest.draft.model import DraftConfig, Eagle3Draft, apply_rope
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft, apply_rope
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.losses import TeacherRows
 from eaglenest.train.compaction import plan_rows
@@ -14,7 +14,7 @@ from eaglenest.train.ttt import ttt_forward
 
 
 def tiny_draft(seed=0, V=300, Vd=120):
-    cfg = DraftConfig(
+    cfg = Eagle3Config(
         hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         vocab_size=V, draft_vocab_size=Vd, target_hidden_size=32, aux_layer_ids=[2, 4, 5], target_num_layers=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -122,13 +122,13 @@ def make_random_draft(out: Path, target_dir: Path, draft_vocab: int = 4096, seed
     from transformers import AutoConfig
 
     from eaglenest.capture.layers import default_layer_ids
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
     from eaglenest.draft.vocab import build_vocab
     from eaglenest.export.format import save_draft
 
     t = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(seed)
-    cfg = DraftConfig.from_target(t, draft_vocab_size=draft_vocab, aux_layer_ids=default_layer_ids(t.num_hidden_layers))
+    cfg = Eagle3Config.from_target(t, draft_vocab_size=draft_vocab, aux_layer_ids=default_layer_ids(t.num_hidden_layers))
     d = Eagle3Draft(cfg)
     d2t, t2d = build_vocab(torch.zeros(t.vocab_size), draft_vocab, always=[int(t.eos_token_id)])
     d.set_vocab(d2t, t2d)
@@ -167,7 +167,7 @@ def make_oracle_draft(out: Path, echo_target: Path, draft_vocab: int = 4096) -> 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from eaglenest.capture.layers import default_layer_ids
-    from eaglenest.draft.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
     from eaglenest.draft.vocab import build_vocab
     from eaglenest.evaluate.run import chat_prompt_ids
     from eaglenest.export.format import save_draft
@@ -175,7 +175,7 @@ def make_oracle_draft(out: Path, echo_target: Path, draft_vocab: int = 4096) -> 
     t = AutoConfig.from_pretrained(echo_target)
     embed = AutoModelForCausalLM.from_pretrained(echo_target).get_input_embeddings().weight.detach()
     last = chat_prompt_ids(AutoTokenizer.from_pretrained(echo_target), [{"role": "user", "content": "?"}])[-1]
-    d = Eagle3Draft(DraftConfig.from_target(t, draft_vocab_size=draft_vocab, aux_layer_ids=default_layer_ids(t.num_hidden_layers)),
+    d = Eagle3Draft(Eagle3Config.from_target(t, draft_vocab_size=draft_vocab, aux_layer_ids=default_layer_ids(t.num_hidden_layers)),
                     embed_weight=embed)
     # the highest ids and the two needed: `last` sits at draft index 1, an offset only d2t undoes
     d2t, t2d = build_vocab(torch.arange(t.vocab_size), draft_vocab, always=[int(t.eos_token_id), last])

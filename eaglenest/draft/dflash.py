@@ -26,13 +26,25 @@ MLP) and draft/kernels.py (`block_attention`, used by training and decoding alik
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from eaglenest.draft.kernels import block_attention
 from eaglenest.draft.layers import MLP, Rotary, RMSNorm, apply_rope
-from eaglenest.draft.model import DraftConfig, DraftVocab
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.model import DraftVocab
+
+
+@dataclass
+class DFlashConfig(DraftConfig):
+    """A DFlash draft's config: what every kind has (draft/config.py; `aux_layer_ids` are its
+    target layers, any count; `num_hidden_layers` its layers) and its block."""
+
+    block_size: int = 16  # tokens per drafted block (anchor + block_size - 1 masks)
+    mask_token_id: int | None = None  # the target token whose (frozen) embedding marks a masked slot
+    kind: str = "dflash"
 
 
 class DFlashAttention(nn.Module):
@@ -99,7 +111,7 @@ def sharpen_attention(model: "DFlashDraft", gain: float) -> None:
 
 
 class DFlashDraft(DraftVocab, nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+    def __init__(self, cfg: DFlashConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()  # the config is checked by its kind (kinds/dflash.py check_dflash_config)
         self.cfg = cfg
         H = cfg.hidden_size

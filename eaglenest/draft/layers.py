@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from eaglenest.draft.kernels import eager_attention, merge_diagonal
 
 if TYPE_CHECKING:
-    from eaglenest.draft.model import DraftConfig
+    from eaglenest.draft.config import DraftConfig
 
 
 class RMSNorm(nn.Module):

@@ -35,7 +35,7 @@ from eaglenest.draft.kernels import eager_attention
 from eaglenest.draft.layers import RMSNorm, cache_append, ttt_attention
 
 if TYPE_CHECKING:
-    from eaglenest.draft.model import DraftConfig
+    from eaglenest.draft.model import Eagle3Config
 
 
 def yarn_mscale(rope_parameters: dict) -> float:
@@ -56,7 +56,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: "Eagle3Config"):
         super().__init__()
         H, n = cfg.hidden_size, cfg.num_attention_heads
         self.n_head, self.r = n, cfg.kv_lora_rank

@@ -13,7 +13,7 @@ It runs ONE decoder layer whose attention projections read `[norm(embed) ; norm(
     logits = lm_head(norm(h2))                                      [.., draft_vocab]
     next hidden = feedback(h2) = h2, or norm(h2) with `norm_output`
 
-The kinds both engines serve are flags of this one layout (DraftConfig):
+The kinds both engines serve are flags of this one layout (`Eagle3Config`):
   * `attention`: "gqa" = Llama attention (q/k/v/o_proj; `LlamaForCausalLMEagle3`), "mla" =
     DeepSeek-V2 multi-latent attention (draft/mla.py; `Eagle3DeepseekV2ForCausalLM`), whose
     decoding cache is the small latent (compressed KV + rope key per position);
@@ -39,13 +39,13 @@ Attention (either kind) has two paths, one per use (the kernels live in kernels.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eaglenest.draft.config import DraftConfig  # noqa: F401 -- re-exported: the base every kind's config extends
 from eaglenest.draft.kernels import eager_attention
 # the pieces the kinds share live in layers.py (mla.py reads them from there, so it need not import this file)
 from eaglenest.draft.layers import (  # noqa: F401 -- cache_length, rotate_half: re-exported
@@ -62,24 +62,9 @@ from eaglenest.draft.mla import MLAAttention
 
 
 @dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int  # target vocabulary (embeddings, t2d)
-    draft_vocab_size: int  # lm_head rows
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # capture-before convention (see eaglenest/capture/layers.py)
-    target_num_layers: int
-    rms_norm_eps: float = 1e-6
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 8192
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    target_architecture: str | None = None  # the target's class: the engines' layer-id rules depend on it (export/layer_ids.py)
+class Eagle3Config(DraftConfig):
+    """An EAGLE-3 head's config: what every kind has (draft/config.py) and its own options."""
+
     norm_before_residual: bool = False  # residual = hidden_norm(hidden): the speculators format's variant (vLLM only)
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per aux state before fc (weights fc_norm.{0,1,2}.weight)
     norm_output: bool = False  # EAGLE 3.1: the next draft step reads norm(h2) instead of h2 (`feedback`)
@@ -89,46 +74,11 @@ class DraftConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    # the draft kind: "eagle3" (this file) or "dflash" (draft/dflash.py: `aux_layer_ids` are its target layers, any
-    # count); configs written before the field existed are EAGLE-3 drafts
     kind: str = "eagle3"
-    num_hidden_layers: int = 1  # decoder layers (EAGLE-3: exactly one)
-    block_size: int = 0  # DFlash: tokens per drafted block (anchor + block_size - 1 masks); 0 for EAGLE-3
-    mask_token_id: int | None = None  # DFlash: the target token whose (frozen) embedding marks a masked slot
 
     @classmethod
-    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], shape: dict | None = None,
-                    attention: str = "gqa", fc_norm: bool = False, norm_output: bool = False) -> "DraftConfig":
-        """The target's hidden size, vocabulary and rope (exactly as the target has it); the layer's
-        attention kind and sizes / MLP width per target family, with `shape` overrides (draft/shape.py)."""
-        from eaglenest.draft.shape import draft_shape
-        from eaglenest.models.target import target_facts
-
-        f = target_facts(tcfg)
-        s = draft_shape(f, shape, attention)
-        get = tcfg.get if isinstance(tcfg, dict) else (lambda k, d=None: getattr(tcfg, k, d))
-        return cls(
-            hidden_size=f.hidden_size,
-            intermediate_size=s.intermediate_size,
-            num_attention_heads=s.num_attention_heads,
-            num_key_value_heads=s.num_key_value_heads,
-            head_dim=s.head_dim,
-            vocab_size=f.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, f.vocab_size),
-            target_hidden_size=f.hidden_size,
-            aux_layer_ids=list(aux_layer_ids),
-            target_num_layers=f.num_layers,
-            rms_norm_eps=f.rms_norm_eps,
-            hidden_act="silu",  # a Llama layer whatever the target: SGLang's LlamaMLP supports only silu
-            max_position_embeddings=f.max_position_embeddings,
-            rope_parameters=f.rope_parameters,
-            bos_token_id=get("bos_token_id"),
-            eos_token_id=get("eos_token_id"),
-            target_architecture=f.architecture,
-            fc_norm=bool(fc_norm),
-            norm_output=bool(norm_output),
-            **s.attention_fields(),
-        )
+    def attention_fields(cls, shape) -> dict:
+        return shape.attention_fields()  # gqa, or mla with its sizes
 
     @property
     def rope_dim(self) -> int:
@@ -140,16 +90,7 @@ class DraftConfig:
         (kv_lora_rank compressed KV + the qk_rope_head_dim rope key, shared by all heads)."""
         if self.attention == "mla":
             return (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-        return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DraftConfig":
-        """Unknown keys are dropped and missing optional ones default: run dirs and exports written
-        before a field existed (fc_norm, norm_output, attention, ...) load as what they were."""
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        return super().kv_bytes_per_token(dtype_bytes)
 
 
 class Attention(nn.Module):
@@ -191,7 +132,7 @@ class Attention(nn.Module):
 class MidLayer(nn.Module):
     """The single decoder layer (named `midlayer` in the checkpoint)."""
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the incoming hidden
@@ -248,7 +189,7 @@ class DraftVocab:
 
 
 class Eagle3Draft(DraftVocab, nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+    def __init__(self, cfg: Eagle3Config, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size

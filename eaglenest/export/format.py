@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.config import DraftConfig
 from eaglenest.export.layer_ids import ENGINES, trained_layers
 from eaglenest.kinds.common import WEIGHT_DTYPE  # noqa: F401 -- re-exported: the dtype of every kind's weights
 from eaglenest.kinds.registry import DraftKind, detect

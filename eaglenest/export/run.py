@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from eaglenest import EaglenestError
 from eaglenest.draft import draft_model
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.config import DraftConfig
 from eaglenest.export.format import save_draft
 from eaglenest.export.layer_ids import ENGINES
 from eaglenest.kinds.registry import get as get_kind

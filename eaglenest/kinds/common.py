@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.vocab import check_vocab
 from eaglenest.export.layer_ids import ENGINES
 from eaglenest.kinds.registry import get as get_kind
@@ -41,20 +41,16 @@ class Report:
         return not any(consumer in who for who, _ in self.problems)
 
 
-def layer_config(cfg: DraftConfig, extra: dict | None, engines) -> dict:
-    """The config.json keys every draft kind writes alike: the layers' shape, the target's rope
-    (rope_theta/rope_scaling for older readers, rope_parameters for newer), the vocabularies, and
-    our own `eaglenest` block (the exact DraftConfig; engines ignore unknown keys)."""
+def layer_config(cfg: DraftConfig, extra: dict | None, engines, attn: dict | None = None) -> dict:
+    """The config.json keys every draft kind writes alike: the layers' shape (`attn`: the attention's
+    keys, Llama attention's by default), the target's rope (rope_theta/rope_scaling for older
+    readers, rope_parameters for newer), the vocabularies, and our own `eaglenest` block (the exact
+    config; engines ignore unknown keys)."""
     rope = dict(cfg.rope_parameters)
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
-    if cfg.attention == "mla":
-        attn = {"num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
-                "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
-                "rope_interleave": True}  # GPT-J pairs: vLLM always, SGLang unless this is false
-    else:
-        attn = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
+    attn = attn or {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
     return {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -84,12 +80,12 @@ def layer_config(cfg: DraftConfig, extra: dict | None, engines) -> dict:
     }
 
 
-def config_from_hf(f: dict, **kw) -> DraftConfig:
-    """A DraftConfig from another trainer's flat config.json, with the engines' defaults for what it
-    leaves out; `kw` sets what depends on the draft kind (its layers, ...)."""
+def config_from_hf(cls: type[DraftConfig], f: dict, **kw) -> DraftConfig:
+    """A config of class `cls` (a kind's) from another trainer's flat config.json, with the engines'
+    defaults for what it leaves out; `kw` sets what depends on the draft kind (its layers, ...)."""
     kw = {"num_key_value_heads": f.get("num_key_value_heads") or f["num_attention_heads"],
           "head_dim": f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"], **kw}
-    return DraftConfig(
+    return cls(
         hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"],
         num_attention_heads=f["num_attention_heads"],
@@ -106,25 +102,10 @@ def config_from_hf(f: dict, **kw) -> DraftConfig:
     )
 
 
-def judge_tensors(r: Report, cfg, tensors: dict, optional=()) -> None:
-    """Keys, shapes, dtypes and finiteness against the contract; `optional` keys may be absent."""
+def judge_tensors(r: Report, cfg, tensors: dict, optional=(), said=frozenset()) -> None:
+    """Keys, shapes, dtypes and finiteness against the contract; `optional` keys may be absent,
+    `said`: tensors the kind's own judgement already reported (no second line for them)."""
     exp = get_kind(cfg.kind).expected_tensors(cfg)
-    said = set()  # tensors a summary line below already accounts for
-    norms = {k for k in tensors if k.startswith("fc_norm.")}
-    if norms and not cfg.fc_norm:
-        r.error(f"model.safetensors: {', '.join(sorted(norms))} but the config's fc_norm is false: SGLang would skip them "
-                "silently and vLLM refuses them (set fc_norm: true, as the draft was trained)")
-        said |= norms
-    if cfg.fc_norm and not norms:
-        r.error("config.json: fc_norm is true but model.safetensors has no fc_norm.* weights: an engine would serve "
-                "randomly initialized aux norms or refuse the file")
-        said |= {k for k in exp if k.startswith("fc_norm.")}
-    llama_attn = {f"midlayer.self_attn.{p}_proj.weight" for p in "kv"} & set(tensors)
-    mla_attn = {k for k in tensors if k.startswith("midlayer.self_attn.kv_")}
-    if cfg.attention == "mla" and llama_attn and not mla_attn:
-        r.error("config.json describes an MLA draft but model.safetensors holds Llama attention (k_proj/v_proj), no MLA weights")
-    if cfg.attention == "gqa" and mla_attn and not llama_attn:
-        r.error("config.json describes a Llama-attention draft but model.safetensors holds MLA attention weights (kv_a_proj_with_mqa, ...)")
     for k in sorted(set(tensors) - set(exp) - {"embed_tokens.weight"} - said):
         r.error(f"model.safetensors: unexpected tensor {k}")
     for k, (shape, dtype) in exp.items():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.dflash import DFlashConfig
 from eaglenest.kinds.common import WEIGHT_DTYPE, config_from_hf, judge_shape_fit, judge_tensors, layer_config
 from eaglenest.kinds.registry import DraftKind, register
 
@@ -64,7 +64,7 @@ def dflash_trained_layers(config: dict) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
-def check_dflash_config(cfg: DraftConfig) -> None:
+def check_dflash_config(cfg: DFlashConfig) -> None:
     """A DFlash config that cannot be trained, served or exported is refused here, by field."""
     if cfg.block_size < 2:
         raise EaglenestError(f"--block-size must be at least 2 (an anchor and one drafted token), got {cfg.block_size}")
@@ -100,15 +100,13 @@ def default_mask_token_id(model) -> int:
     return special[-1]
 
 
-def dflash_config(base: DraftConfig, opts) -> DraftConfig:
-    """The DFlash config of a run: `base` (the target's shape and vocabulary, DraftConfig.from_target)
-    with the kind and the block options of `opts` (TrainConfig: block_size, draft_layers,
+def dflash_config(tcfg, draft_vocab_size: int, layer_ids: list[int], opts) -> DFlashConfig:
+    """The DFlash config of a run: the target `tcfg`'s shape and vocabulary (DraftConfig.from_target)
+    with the block options of `opts` (TrainConfig: draft_shape, block_size, draft_layers,
     mask_token_id, model)."""
-    from dataclasses import replace
-
     mask = opts.mask_token_id if opts.mask_token_id is not None else default_mask_token_id(opts.model)
-    cfg = replace(base, kind="dflash", block_size=int(opts.block_size), num_hidden_layers=int(opts.draft_layers),
-                  mask_token_id=int(mask))
+    cfg = DFlashConfig.from_target(tcfg, draft_vocab_size, layer_ids, shape=opts.draft_shape, block_size=int(opts.block_size),
+                                   num_hidden_layers=int(opts.draft_layers), mask_token_id=int(mask))
     check_dflash_config(cfg)
     return cfg
 
@@ -116,7 +114,7 @@ def dflash_config(base: DraftConfig, opts) -> DraftConfig:
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def expected_tensors(cfg: DraftConfig, weight_dtype=WEIGHT_DTYPE) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_tensors(cfg: DFlashConfig, weight_dtype=WEIGHT_DTYPE) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     w = weight_dtype
@@ -146,7 +144,7 @@ def expected_tensors(cfg: DraftConfig, weight_dtype=WEIGHT_DTYPE) -> dict[str, t
     return out
 
 
-def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=("vllm",)) -> dict:
+def hf_config(cfg: DFlashConfig, extra: dict | None = None, engines=("vllm",)) -> dict:
     """config.json; refuses (EaglenestError) target layers the engines cannot capture."""
     return {
         "architectures": [ARCHITECTURE],
@@ -167,7 +165,7 @@ def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=("vllm",)) ->
     }
 
 
-def read_config(raw: dict, draft_dir) -> DraftConfig:
+def read_config(raw: dict, draft_dir) -> DFlashConfig:
     """A DFlash config.json written by another trainer (SpecForge, z-lab) as a DraftConfig: target
     layers from dflash_config.target_layer_ids (output-of -> capture-before), block_size and
     mask_token_id top-level or in dflash_config."""
@@ -180,12 +178,12 @@ def read_config(raw: dict, draft_dir) -> DraftConfig:
     if block is None or mask is None:
         raise EaglenestError(f"{draft_dir}/config.json: a DFlash draft needs block_size and dflash_config.mask_token_id "
                              f"(got {block!r}, {mask!r})")
-    return config_from_hf(raw, aux_layer_ids=dflash_trained_layers(raw), target_num_layers=int(raw.get("num_target_layers") or 0),
-                          kind="dflash", num_hidden_layers=int(raw.get("num_hidden_layers", 1)), block_size=int(block),
+    return config_from_hf(DFlashConfig, raw, aux_layer_ids=dflash_trained_layers(raw),
+                          target_num_layers=int(raw.get("num_target_layers") or 0), num_hidden_layers=int(raw.get("num_hidden_layers", 1)), block_size=int(block),
                           mask_token_id=int(mask))
 
 
-def judge(r, raw: dict, cfg: DraftConfig, tensors: dict | None, model=None, trained: list[int] | None = None) -> None:
+def judge(r, raw: dict, cfg: DFlashConfig, tensors: dict | None, model=None, trained: list[int] | None = None) -> None:
     """check-draft for a DFlash draft (export/check.py's Report `r`, per consumer): what vLLM 0.32
     (qwen3_dflash.py) and SGLang 0.5.23 (srt/models/dflash.py, GPU-only here) do with it, and whether
     eaglenest's own decoder (evaluate/dflash.py) runs it."""
@@ -259,6 +257,7 @@ class DFlashKind(DraftKind):
     default_engines = ("vllm",)  # SGLang serves DFlash on GPUs only, with the target's lm_head
     vllm_method = "dflash"
     sglang_algorithm = "DFLASH"  # srt/models/dflash.py (Triton kernels: GPU only)
+    config_class = DFlashConfig
 
     def check_train_options(self, tc) -> None:
         if tc.block_size < 2:
@@ -270,8 +269,8 @@ class DFlashKind(DraftKind):
             raise EaglenestError(f"--loss {tc.loss}: the acceptance losses train the EAGLE-3 head against the target's "
                                  "distribution; a DFlash draft trains on hard labels (--dflash-loss ce or dpace)")
 
-    def train_config(self, base, tc):
-        return dflash_config(base, tc)
+    def train_config(self, tcfg, draft_vocab_size, layer_ids, tc):
+        return dflash_config(tcfg, draft_vocab_size, layer_ids, tc)
 
     def model(self, cfg, embed_weight=None):
         from eaglenest.draft.dflash import DFlashDraft

@@ -8,7 +8,7 @@ DRAFT_DIR/config.json + DRAFT_DIR/model.safetensors, keys exactly:
   midlayer.self_attn.* (below), midlayer.mlp.{gate,up,down}_proj.weight,
   norm.weight, lm_head.weight, d2t (int64), t2d (bool)  -- and never embed_tokens;
   EAGLE 3.1 `fc_norm`: fc_norm.{0,1,2}.weight.
-Per attention (DraftConfig.attention; `ATTENTIONS`):
+Per attention (Eagle3Config.attention; `ATTENTIONS`):
   gqa: `LlamaForCausalLMEagle3`, model_type llama, self_attn.{q,k,v,o}_proj;
   mla: `Eagle3DeepseekV2ForCausalLM`, model_type deepseek_v2, DeepSeek's unfused names
        self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
@@ -25,7 +25,7 @@ Aux layer ids: written so that each engine captures the trained layers, per the 
 rule (export/layer_ids.py); omitted when the engines' defaults are those layers.
 
 Other trainers' drafts (SpecForge, TorchSpec: `midlayer.*`, maybe the target's `embed_tokens`;
-speculators: `layers.0.*` + `transformer_layer_config`) are read into the same DraftConfig.
+speculators: `layers.0.*` + `transformer_layer_config`) are read into the same Eagle3Config.
 
 check-draft (`judge`): the attention (gqa: `LlamaForCausalLMEagle3`; mla:
 `Eagle3DeepseekV2ForCausalLM`) and EAGLE 3.1's `fc_norm` / `norm_output`, judged as the engines
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.model import Eagle3Config
 from eaglenest.export.layer_ids import ENGINES, config_keys, engine_capture, rule_text, trained_layers
 from eaglenest.kinds.common import (
     CONSUMERS,
@@ -79,7 +79,7 @@ KIND_FLAGS = ("fc_norm", "norm_output", "attention")  # what a served draft must
 UNSUPPORTED_FLAGS = ("norm_before_fc",)
 
 
-def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     H, I = cfg.hidden_size, cfg.intermediate_size
     w = WEIGHT_DTYPE
     return {
@@ -102,7 +102,7 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     }
 
 
-def attention_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def attention_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The attention's tensors (names under midlayer.self_attn.) for the draft's kind."""
     H, n, w = cfg.hidden_size, cfg.num_attention_heads, WEIGHT_DTYPE
     if cfg.attention == "mla":
@@ -117,10 +117,15 @@ def attention_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torc
             "o_proj.weight": ((H, q), w)}
 
 
-def hf_config(cfg: DraftConfig, extra: dict | None = None, engines=ENGINES) -> dict:
+def hf_config(cfg: Eagle3Config, extra: dict | None = None, engines=ENGINES) -> dict:
     kind = ATTENTIONS[cfg.attention]
+    attn = None
+    if cfg.attention == "mla":
+        attn = {"num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+                "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+                "rope_interleave": True}  # GPT-J pairs: vLLM always, SGLang unless this is false
     c = {"architectures": [kind["architecture"]], "model_type": kind["model_type"], "num_hidden_layers": 1,
-         **layer_config(cfg, extra, engines),
+         **layer_config(cfg, extra, engines, attn),
          "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}  # EAGLE 3.1: top-level keys, as both engines read them
     c.update(config_keys(cfg.target_architecture, cfg.target_num_layers, cfg.aux_layer_ids, engines))
     return c
@@ -182,9 +187,30 @@ def judge(r: Report, raw: dict, cfg, tensors: dict | None, model=None, trained: 
         _judge_mla(r, cfg)
 
     if tensors is not None:
-        judge_tensors(r, cfg, tensors)
+        judge_tensors(r, cfg, tensors, said=_judge_layout_tensors(r, cfg, tensors))
     if model is not None:
         _judge_fit(r, raw, cfg, tensors or {}, model, trained, "eaglenest" in raw)
+
+
+def _judge_layout_tensors(r: Report, cfg: Eagle3Config, tensors: dict) -> set[str]:
+    """The tensors against the config's EAGLE 3.1 and attention options; returns the tensors reported."""
+    said = set()
+    norms = {k for k in tensors if k.startswith("fc_norm.")}
+    if norms and not cfg.fc_norm:
+        r.error(f"model.safetensors: {', '.join(sorted(norms))} but the config's fc_norm is false: SGLang would skip them "
+                "silently and vLLM refuses them (set fc_norm: true, as the draft was trained)")
+        said |= norms
+    if cfg.fc_norm and not norms:
+        r.error("config.json: fc_norm is true but model.safetensors has no fc_norm.* weights: an engine would serve "
+                "randomly initialized aux norms or refuse the file")
+        said |= {f"fc_norm.{i}.weight" for i in range(3)}
+    llama_attn = {f"midlayer.self_attn.{p}_proj.weight" for p in "kv"} & set(tensors)
+    mla_attn = {k for k in tensors if k.startswith("midlayer.self_attn.kv_")}
+    if cfg.attention == "mla" and llama_attn and not mla_attn:
+        r.error("config.json describes an MLA draft but model.safetensors holds Llama attention (k_proj/v_proj), no MLA weights")
+    if cfg.attention == "gqa" and mla_attn and not llama_attn:
+        r.error("config.json describes a Llama-attention draft but model.safetensors holds MLA attention weights (kv_a_proj_with_mqa, ...)")
+    return said
 
 
 def _judge_model_type(r: Report, model_type, attention: str) -> None:
@@ -269,8 +295,8 @@ def _judge_fit(r: Report, raw: dict, cfg, tensors: dict, model, trained, ours: b
             r.error(f"would capture before layers {got}, the draft was trained on {ids} ({rule_text(e, t.architecture)})", [e])
 
 
-def read_config(raw: dict, draft_dir) -> DraftConfig:
-    """Another trainer's EAGLE-3 config.json as a DraftConfig, with the engines' defaults for what it
+def read_config(raw: dict, draft_dir) -> Eagle3Config:
+    """Another trainer's EAGLE-3 config.json as an Eagle3Config, with the engines' defaults for what it
     leaves out (target_hidden_size = hidden_size, draft_vocab_size = vocab_size, head_dim = hidden /
     heads); its aux layers stay [] unless given top-level (format.resolve_aux_layers fills them once
     the target's layer count is known)."""
@@ -283,7 +309,7 @@ def read_config(raw: dict, draft_dir) -> DraftConfig:
     mla = arch in MLA_ARCHITECTURES or (arch is None and f.get("kv_lora_rank") is not None)
     kw = dict(num_key_value_heads=f["num_attention_heads"], head_dim=f.get("v_head_dim"),
               **{k: f.get(k) for k in MLA_FIELDS}) if mla else {}
-    return config_from_hf(f, aux_layer_ids=list(ids) if ids else [], target_num_layers=0,
+    return config_from_hf(Eagle3Config, f, aux_layer_ids=list(ids) if ids else [], target_num_layers=0,
                           norm_before_residual=bool(f.get("norm_before_residual", False)),
                           # what the engines read: top-level flags (SGLang also takes use_aux_norm for fc_norm)
                           fc_norm=bool(f.get("fc_norm") or f.get("use_aux_norm")), norm_output=bool(f.get("norm_output")),
@@ -296,11 +322,16 @@ class Eagle3Kind(DraftKind):
     aux_count = 3  # fc reads three aux states
     vllm_method = "eagle3"
     sglang_algorithm = "EAGLE3"
+    config_class = Eagle3Config
 
     def check_train_options(self, tc) -> None:
         if tc.draft_layers != 1:
             raise EaglenestError(f"--draft-layers {tc.draft_layers}: an EAGLE-3 draft has one layer (the engines normalize the "
                                  "input of deeper layers differently, draft/shape.py); use --draft-kind dflash for several")
+
+    def train_config(self, tcfg, draft_vocab_size, layer_ids, tc):
+        return Eagle3Config.from_target(tcfg, draft_vocab_size, layer_ids, shape=tc.draft_shape, attention=tc.draft_attention,
+                                        fc_norm=tc.fc_norm, norm_output=tc.norm_output, kind=self.name)
 
     def model(self, cfg, embed_weight=None):
         from eaglenest.draft.model import Eagle3Draft

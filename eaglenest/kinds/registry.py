@@ -12,14 +12,13 @@ module that calls `register(...)` when imported (a test may register one directl
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
 
 from eaglenest import EaglenestError
 
 # kind name -> module that registers it (imported on first use)
 BUILTIN = {"eagle3": "eaglenest.kinds.eagle3", "dflash": "eaglenest.kinds.dflash"}
 # what a config.json without our record and without another kind's marks is (other trainers' EAGLE-3 drafts),
-# and what a DraftConfig written before the `kind` field existed was
+# and what a config written before the `kind` field existed was
 DEFAULT = "eagle3"
 
 _KINDS: dict[str, "DraftKind"] = {}
@@ -32,6 +31,8 @@ class DraftKind:
     name: str = ""
     title: str = ""  # in messages: "an EAGLE-3 draft"
 
+    config_class: type | None = None  # the kind's DraftConfig subclass (draft/config.py): only its own fields
+
     # --- train -----------------------------------------------------------------------------------
     aux_count: int | None = None  # the number of target layers the draft reads, when fixed
     online_layers: str = "auto"  # what --layers auto captures in an online run (capture/layers.py parse_layer_ids)
@@ -41,9 +42,10 @@ class DraftKind:
     def check_train_options(self, tc) -> None:
         """Refuse TrainConfig options this kind cannot train (EaglenestError)."""
 
-    def train_config(self, base, tc):
-        """The run's DraftConfig from `base` (the target's shape and vocabulary, DraftConfig.from_target)."""
-        return replace(base, kind=self.name)
+    def train_config(self, tcfg, draft_vocab_size: int, layer_ids: list[int], tc):
+        """The run's config: the target `tcfg`'s shape and vocabulary (DraftConfig.from_target) with
+        this kind's own fields from the run's options `tc`."""
+        return self.config_class.from_target(tcfg, draft_vocab_size, layer_ids, shape=tc.draft_shape, kind=self.name)
 
     def model(self, cfg, embed_weight=None):
         raise NotImplementedError

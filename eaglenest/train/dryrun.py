@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.shape import describe, draft_shape, resolve_attention
 
 
-def draft_sizes(cfg: DraftConfig) -> dict:
+def draft_sizes(cfg: Eagle3Config) -> dict:
     """Parameters (total and by part) of the exported draft, and its cache bytes per token (bf16)."""
     with torch.device("meta"):
         d = Eagle3Draft(cfg)
@@ -42,8 +42,8 @@ def dry_run(tcfg) -> str:
     for kind in ("gqa", "mla"):
         shape = {k: v for k, v in (tcfg.draft_shape or {}).items() if k in draft_shape(f, None, kind).fields()}
         try:
-            cfg = DraftConfig.from_target(target, tcfg.draft_vocab, default_layer_ids(f.num_layers), shape=shape, attention=kind,
-                                          fc_norm=tcfg.fc_norm, norm_output=tcfg.norm_output)
+            cfg = Eagle3Config.from_target(target, tcfg.draft_vocab, default_layer_ids(f.num_layers), shape=shape, attention=kind,
+                                           fc_norm=tcfg.fc_norm, norm_output=tcfg.norm_output)
         except Exception as e:  # e.g. an MLA draft on a rope the engines cannot serve: say so, show the other kind
             lines.append(f"\n{kind}: not possible for this target: {e}")
             continue

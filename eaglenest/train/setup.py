@@ -10,7 +10,8 @@ import torch
 
 from eaglenest import EaglenestError
 from eaglenest.draft import draft_model
-from eaglenest.draft.model import DraftConfig, Eagle3Draft
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.kinds.registry import get as get_kind
 from eaglenest.features import FeatureStore

@@ -28,7 +28,7 @@ import torch
 from eaglenest import EaglenestError
 from eaglenest.capture.layers import require_layer_count
 from eaglenest.draft.kernels import ATTN_IMPLS, causal_kernel, default_attn_impl
-from eaglenest.draft.model import DraftConfig
+from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.vocab import draft_ids_to_target
 from eaglenest.features import FeatureStore
 from eaglenest.kinds.registry import get as get_kind
@@ -154,9 +154,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         d2t, t2d = self._vocab(tcfg, resuming)
         rows = draft_ids_to_target(d2t)
-        dcfg = DraftConfig.from_target(tcfg, d2t.numel(), meta.layer_ids, shape=cfg.draft_shape, attention=cfg.draft_attention,
-                                       fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
-        dcfg = kind.train_config(dcfg, cfg)  # the kind's own fields (DFlash: block, layers, mask token)
+        dcfg = kind.train_config(tcfg, d2t.numel(), meta.layer_ids, cfg)  # the target's shape + the kind's own fields
         if self.rank == 0:
             print(describe(draft_shape(target_facts(tcfg), cfg.draft_shape, cfg.draft_attention), target_facts(tcfg)), file=sys.stderr)
         self.identity = {"train": {k: getattr(cfg, k) for k in RESUME_FIXED}, "draft": dcfg.to_dict(), "split_by": SPLIT_RULE,
