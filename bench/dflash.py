@@ -342,18 +342,8 @@ def _recipe_data(a, arm: str) -> Path:
     return out
 
 
-def _recipe_eval(arm: str, steps: int) -> Path:
-    d = arms.arm_dir(f"recipe-{arm}-s{steps}", PRESET)
-    draft, out = d / "draft", d / "eval-greedy-n80-m128-nobase.json"
-    if not (draft / "config.json").exists():
-        arms._cli(["export", "--run", str(d / "run"), "--out", str(draft), "--model", arms.model_path()])
-    if not out.exists():
-        from eaglenest.demo import PRESETS, _eval_workers
-
-        arms._cli(["eval", "--model", arms.model_path(), "--draft", str(draft), "--out", str(out), "--bench", "mtbench",
-                   "--limit", "80", "--topk", "1", "--temperature", "0", "--max-new-tokens", "128", "--steps", "3",
-                   "--device", "cpu", "--no-baseline", "--workers", str(_eval_workers(PRESETS[PRESET]["eval_workers"], "cpu"))])
-    return out
+def _recipe_eval(arm: str, steps: int) -> dict:
+    return arms.eval_arm(f"recipe-{arm}-s{steps}", 0.0)  # all 80 first turns, 128 tokens, chain of 3, no plain baseline
 
 
 def cmd_recipe(a) -> None:
@@ -362,7 +352,7 @@ def cmd_recipe(a) -> None:
         feats = arms.prepare_data(PRESET, data=str(_recipe_data(a, arm)))["features"]
         # --epochs large: --max-steps decides (the smaller regenerated sets repeat more often)
         arms.train_arm(f"recipe-{arm}-s{a.steps}", ["--max-steps", str(a.steps), "--epochs", "1000"], PRESET, feats)
-        r = json.loads(_recipe_eval(arm, a.steps).read_text())
+        r = _recipe_eval(arm, a.steps)
         print(arm, json.dumps({"tau": r["tau"], "accept_per_position": r["accept_per_position"]}), flush=True)
 
 
@@ -371,7 +361,7 @@ def cmd_recipe_report(a) -> None:
 
     from eaglenest.data import PreparedData
 
-    evals = {arm: json.loads(_recipe_eval(arm, a.steps).read_text()) for arm in RECIPE_ARMS}
+    evals = {arm: _recipe_eval(arm, a.steps) for arm in RECIPE_ARMS}
     res = {}
     for arm in RECIPE_ARMS:
         data = _recipe_data(a, arm)
