@@ -23,12 +23,15 @@ def _data(a: dict) -> str:
 def render(results: dict[str, dict]) -> str:
     r = results["regen_recipe.json"]
     arms = r["arms"]
+    g = arms["greedy"]["data"]["regenerate"]
+    rule, e = g["judged"]["loop_rule"], arms["original"]["eval"]
     lines = [
         f"EAGLE-3 drafts for SmolLM2-135M-Instruct, the demo recipe (`{' '.join(r['train_flags'])}`) for **{r['steps']} steps** "
         f"each, on one slice of ShareGPT conversations whose first answer is the original one or the target's own "
-        f"(<= 256 new tokens; an answer loops when at least 20 % of its 8-grams repeat); decoded on all {r['prompts']} MT-bench "
-        f"first turns, 128 new tokens, greedy, chain of 3, on {cpu(r)} (`bench/results/regen_recipe.json`, "
-        f"`python -m bench dflash recipe`). Else on the CPU meanwhile: {r['alongside']}.",
+        f"(<= {g['max_new_tokens']} new tokens; an answer loops when at least {rule['min_repeated_share']:.0%} of its "
+        f"{rule['ngram']}-grams repeat); decoded on all {r['prompts']} MT-bench first turns, {e['max_new_tokens']} new tokens, "
+        f"greedy, chain of {e['steps']}, on {cpu(r)} (`bench/results/regen_recipe.json`, `python -m bench dflash recipe`). "
+        f"Else on the CPU meanwhile: {r['alongside']}.",
         "",
         "| answers trained on | data | τ | τ vs the original answers, paired (95 % interval over prompts) | accepted per position | τ its held-out split predicted |",
         "|---|---|---|---|---|---|",

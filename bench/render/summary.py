@@ -74,6 +74,16 @@ def train_ab(*rs):
             f"the demo recipe, {rs[0]['steps']} steps × {rs[0]['rounds']} paired rounds, " + ", ".join(f"{cpu(r)} ({r['cpu_kind']})" for r in rs))
 
 
+def regen(r):
+    a = r["arms"]
+    vs = lambda k: f"{a[k]['tau_vs_original']['delta']:+.3f} ({a[k]['tau_vs_original']['ci95'][0]:+.3f} … {a[k]['tau_vs_original']['ci95'][1]:+.3f})"  # noqa: E731
+    return ("A draft trained on the target's own answers (`regenerate`, looping answers left out) vs the data's",
+            f"τ {a['greedy']['eval']['tau']:.3f} (greedy answers), {a['sampled']['eval']['tau']:.3f} (sampled at {r['temperature']:g}) vs "
+            f"{a['original']['eval']['tau']:.3f}; paired difference {vs('greedy')} and {vs('sampled')}",
+            f"EAGLE-3, the demo recipe for {r['steps']} steps on one slice of {a['original']['data']['samples']} ShareGPT conversations, "
+            f"all {r['prompts']} MT-bench first turns, {cpu(r)}")
+
+
 ROWS = [
     (["losses.json"], tau),
     (["vllm_agreement_t1_demo.json"], vllm),
@@ -84,6 +94,7 @@ ROWS = [
     (["train_step_ab_demo_amx.json", "train_step_ab_demo_avx512-bf16.json"], train_ab),
     (["eval_gemv_cpu.json"], gemv),
     (["online.json"], online),
+    (["regen_recipe.json"], regen),
 ]
 FILES = [f for files, _ in ROWS for f in files]
 
