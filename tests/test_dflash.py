@@ -202,7 +202,7 @@ def test_foreign_dflash_draft_without_a_head_is_read_judged_and_loaded(smollm2, 
 
     from eaglenest.export.check import judge_draft
     from eaglenest.kinds.dflash import expected_tensors
-    from eaglenest.export.format import load_draft, read_draft_config
+    from eaglenest.export.format import load_draft, read_draft
     from eaglenest.models.target import load_config
 
     t = load_config(smollm2)
@@ -213,8 +213,8 @@ def test_foreign_dflash_draft_without_a_head_is_read_judged_and_loaded(smollm2, 
            "rope_theta": t.rope_parameters["rope_theta"], "vocab_size": V, "block_size": 8, "num_target_layers": t.num_hidden_layers,
            "dflash_config": {"mask_token_id": 16, "target_layer_ids": [1, 14, 26]}}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    _, cfg = read_draft_config(tmp_path)
-    assert cfg.kind == "dflash" and cfg.aux_layer_ids == [2, 15, 27] and cfg.block_size == 8 and cfg.draft_vocab_size == V
+    cfg = read_draft(tmp_path).cfg
+    assert type(cfg).__name__ == "DFlashConfig" and cfg.kind == "dflash" and cfg.aux_layer_ids == [2, 15, 27] and cfg.block_size == 8 and cfg.draft_vocab_size == V
     g = torch.Generator().manual_seed(0)
     sd = {k: torch.randn(shape, generator=g).to(torch.bfloat16) * 0.02
           for k, (shape, _) in expected_tensors(cfg, torch.bfloat16).items() if k != "lm_head.weight"}

@@ -110,7 +110,7 @@ def test_torchspec_style_kimi_k25_draft_is_judged_per_engine(tmp_path):
     """The config shape engines.md §4 gives for TorchSpec's published Kimi-K2.5 draft: one Llama layer,
     64 x 128, 64 KV heads, 12288, the target's YaRN, no reduced vocabulary, no target_hidden_size,
     and only `eagle_config` ids [1, 29, 57] (output-of).  Shapes on the meta device."""
-    from eaglenest.export.format import read_draft_config
+    from eaglenest.export.format import read_draft
 
     raw = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 7168,
@@ -122,7 +122,7 @@ def test_torchspec_style_kimi_k25_draft_is_judged_per_engine(tmp_path):
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
     }
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    _, cfg = read_draft_config(tmp_path)
+    cfg = read_draft(tmp_path).cfg
     assert cfg.target_hidden_size == 7168 and cfg.draft_vocab_size == 163840
     with torch.device("meta"):
         tensors = {k: v.to(WEIGHT_DTYPE) for k, v in Eagle3Draft(cfg).exported_state_dict().items() if k in expected_tensors(cfg)}

@@ -112,12 +112,6 @@ def read_draft(draft_dir: "Path | str | DraftDir") -> DraftDir:
     return DraftDir(draft_dir, raw, kind, cfg, names)
 
 
-def read_draft_config(draft_dir: Path | str) -> tuple[dict, DraftConfig]:
-    """(config.json as written, DraftConfig): `read_draft`'s two most used parts."""
-    d = read_draft(draft_dir)
-    return d.raw, d.cfg
-
-
 def resolve_aux_layers(raw: dict, cfg: DraftConfig, num_layers: int) -> DraftConfig:
     """Fill a draft's trained layers and target layer count for an N-layer target (export/layer_ids.py
     `trained_layers`: our record, else the other trainer's convention, else the canonical layers)."""
