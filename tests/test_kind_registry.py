@@ -6,12 +6,14 @@ in the package (function-level imports included)."""
 import ast
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from test_train import cfg, tiny_store  # noqa: F401 -- the shared tiny store fixture
 
+from eaglenest.draft.model import Eagle3Config
 from eaglenest.kinds import registry
 from eaglenest.kinds.common import judge_tensors
 from eaglenest.kinds.eagle3 import Eagle3Kind
@@ -19,13 +21,22 @@ from eaglenest.kinds.eagle3 import Eagle3Kind
 PKG = Path(__file__).resolve().parents[1] / "eaglenest"
 
 
+@dataclass
+class ToyConfig(Eagle3Config):
+    """The toy kind's config: EAGLE-3's fields and one of its own."""
+
+    toy_rounds: int = 5
+    kind: str = "toy"
+
+
 class ToyKind(Eagle3Kind):
-    """An EAGLE-3 head under another name, with its own architecture, export block and judge: what a
-    new kind's module would hold (it may reuse another kind's pieces)."""
+    """An EAGLE-3 head under another name, with its own config class, architecture, export block and
+    judge: what a new kind's module would hold (it may reuse another kind's pieces)."""
 
     name = "toy"
     title = "a toy draft"
     default_engines = ("vllm",)
+    config_class = ToyConfig
     calls: list[str] = []
 
     def hf_config(self, cfg, extra, engines):
@@ -67,7 +78,8 @@ def test_a_toy_kind_trains_exports_checks_and_loads_through_the_registry(toy, ti
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["ToyDraft"] and c["eaglenest"]["toy_steps"] == 3
     d = read_draft(out)
-    assert d.kind is toy and d.cfg.kind == "toy" and d.layer_ids == t.model.cfg.aux_layer_ids
+    assert d.kind is toy and type(d.cfg) is ToyConfig and d.cfg.toy_rounds == 5 and d.layer_ids == t.model.cfg.aux_layer_ids
+    assert type(t.model.cfg) is ToyConfig and json.loads((run / "config.json").read_text())["draft"]["toy_rounds"] == 5
     assert set(d.tensor_names) == set(toy.expected_tensors(d.cfg))
     back = load_draft(d, embed_weight=t.model.embed_tokens)
     assert type(back) is type(t.model)

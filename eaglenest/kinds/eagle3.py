@@ -330,8 +330,8 @@ class Eagle3Kind(DraftKind):
                                  "input of deeper layers differently, draft/shape.py); use --draft-kind dflash for several")
 
     def train_config(self, tcfg, draft_vocab_size, layer_ids, tc):
-        return Eagle3Config.from_target(tcfg, draft_vocab_size, layer_ids, shape=tc.draft_shape, attention=tc.draft_attention,
-                                        fc_norm=tc.fc_norm, norm_output=tc.norm_output, kind=self.name)
+        return self.config_class.from_target(tcfg, draft_vocab_size, layer_ids, shape=tc.draft_shape, attention=tc.draft_attention,
+                                             fc_norm=tc.fc_norm, norm_output=tc.norm_output, kind=self.name)
 
     def model(self, cfg, embed_weight=None):
         from eaglenest.draft.model import Eagle3Draft
