@@ -345,3 +345,11 @@ def test_the_harness_runs_a_benchmark_as_its_own_script(tmp_path, monkeypatch, c
         harness.main(["common"])
     p = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "train_step" in p.stdout and "report" in p.stdout, p.stderr
+
+
+def test_train_step_ab_refuses_fewer_steps_than_one_loss_window():
+    """`train_step ab` compares losses in windows of WINDOW steps: fewer steps are refused when the
+    arguments are read (before any worktree or training), naming the least it takes."""
+    p = subprocess.run([sys.executable, "-m", "bench", "train_step", "ab", "--base", "HEAD", "--steps", "5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--steps 5: at least 10" in p.stderr, p.stderr[-2000:]
