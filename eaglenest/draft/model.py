@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eaglenest.draft.config import DraftConfig  # noqa: F401 -- re-exported: the base every kind's config extends
+from eaglenest.draft.config import DraftConfig  # the base every kind's config extends
 from eaglenest.draft.kernels import eager_attention
 # the pieces the kinds share live in layers.py (mla.py reads them from there, so it need not import this file)
 from eaglenest.draft.layers import (  # noqa: F401 -- cache_length, rotate_half: re-exported
