@@ -624,6 +624,10 @@ def ab(a) -> None:
             res["step_s_median"] = round(statistics.median(res["step_s"][a.skip:]), 4)
             runs[name].append(res)
             print(f"round {r} {name}: step {res['step_s_median']:.3f} s, peak RSS {res['peak_rss_gib']:.2f} GiB, load {load:.1f}", flush=True)
+    logged = {k: [len(r["losses"]) for r in v] for k, v in runs.items()}
+    if any(n != a.steps for v in logged.values() for n in v):  # the loss windows compare step by step
+        raise SystemExit(f"the runs logged other than --steps {a.steps} losses (per arm, per round: {logged}); "
+                         f"their logs are in {cache / 'runs'}")
     pairs = [b["step_s_median"] / n["step_s_median"] for b, n in zip(runs["base"], runs["new"])]
     lb = runs["base"][0]["losses"]
     div = {k: _divergence(lb, runs[k][0]["losses"]) for k in ("new", "control")}
