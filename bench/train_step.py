@@ -136,8 +136,7 @@ def build_ours(shape, T, ttt, device, inp, attn_impl, recompute, chunk):
     import torch
 
     from eaglenest.draft.kernels import causal_kernel
-    from eaglenest.draft.model import Eagle3Config
-    from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
     from eaglenest.draft.vocab import draft_ids_to_target
     from eaglenest.train.compaction import plan_rows
     from eaglenest.train.precision import MasterWeights
@@ -291,8 +290,7 @@ _SAVED_MODEL: dict = {}
 def _bare_model(shape, inp):
     import torch
 
-    from eaglenest.draft.model import Eagle3Config
-    from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 
     s = SHAPES[shape]
     cfg = Eagle3Config(

@@ -9,8 +9,7 @@ import torch
 
 from eaglenest.draft import kernels
 from eaglenest.draft.kernels import FlexCausal, bucket_length, causal_attention_lse, causal_block_mask
-from eaglenest.draft.model import Eagle3Config
-from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.train.losses import TeacherRows
 from eaglenest.train.ttt import Teacher, denominators, ttt_forward

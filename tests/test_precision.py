@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import cfg, keep_only_step3, losses, tiny_store  # noqa: F401 -- the module's store fixture
 
-from eaglenest.draft.model import Eagle3Config
-from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.model import Eagle3Config, Eagle3Draft
 from eaglenest.train.precision import MasterWeights
 from eaglenest.train.trainer import Trainer
 

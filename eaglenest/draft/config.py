@@ -105,8 +105,5 @@ class DraftConfig:
             from eaglenest.kinds.registry import get
 
             cls = get(d.get("kind")).config_class
-        fields = cls.__dataclass_fields__
-        out = cls(**{k: v for k, v in d.items() if k in fields and k != "kind"})
-        if d.get("kind"):
-            out.kind = d["kind"]
-        return out
+        # an empty or missing kind keeps the class's own
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__ and (k != "kind" or v)})

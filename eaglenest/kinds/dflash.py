@@ -166,7 +166,7 @@ def hf_config(cfg: DFlashConfig, extra: dict | None = None, engines=("vllm",)) -
 
 
 def read_config(raw: dict, draft_dir) -> DFlashConfig:
-    """A DFlash config.json written by another trainer (SpecForge, z-lab) as a DraftConfig: target
+    """A DFlash config.json written by another trainer (SpecForge, z-lab) as a DFlashConfig: target
     layers from dflash_config.target_layer_ids (output-of -> capture-before), block_size and
     mask_token_id top-level or in dflash_config."""
     dc = raw.get("dflash_config") or {}
@@ -179,8 +179,8 @@ def read_config(raw: dict, draft_dir) -> DFlashConfig:
         raise EaglenestError(f"{draft_dir}/config.json: a DFlash draft needs block_size and dflash_config.mask_token_id "
                              f"(got {block!r}, {mask!r})")
     return config_from_hf(DFlashConfig, raw, aux_layer_ids=dflash_trained_layers(raw),
-                          target_num_layers=int(raw.get("num_target_layers") or 0), num_hidden_layers=int(raw.get("num_hidden_layers", 1)), block_size=int(block),
-                          mask_token_id=int(mask))
+                          target_num_layers=int(raw.get("num_target_layers") or 0),
+                          num_hidden_layers=int(raw.get("num_hidden_layers", 1)), block_size=int(block), mask_token_id=int(mask))
 
 
 def judge(r, raw: dict, cfg: DFlashConfig, tensors: dict | None, model=None, trained: list[int] | None = None) -> None:

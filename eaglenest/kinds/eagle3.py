@@ -203,7 +203,7 @@ def _judge_layout_tensors(r: Report, cfg: Eagle3Config, tensors: dict) -> set[st
     if cfg.fc_norm and not norms:
         r.error("config.json: fc_norm is true but model.safetensors has no fc_norm.* weights: an engine would serve "
                 "randomly initialized aux norms or refuse the file")
-        said |= {f"fc_norm.{i}.weight" for i in range(3)}
+        said |= {k for k in expected_tensors(cfg) if k.startswith("fc_norm.")}
     llama_attn = {f"midlayer.self_attn.{p}_proj.weight" for p in "kv"} & set(tensors)
     mla_attn = {k for k in tensors if k.startswith("midlayer.self_attn.kv_")}
     if cfg.attention == "mla" and llama_attn and not mla_attn:
