@@ -92,9 +92,11 @@ def features(kind: str) -> Path:
 
 
 # --- regeneration ---------------------------------------------------------------------------
-def regen(a, out: Path, limit: int | None, engine: str) -> dict:
-    argv = ["regenerate", "--model", arms.model_path(), "--data", str(source_data(a)), "--out", str(out), "--engine", engine,
-            "--temperature", str(REGEN["temperature"]), "--max-new-tokens", str(REGEN["max_new_tokens"]),
+def regen(a, out: Path, limit: int | None, engine: str, source: Path | None = None, temperature: float | None = None) -> dict:
+    """`source` (default: source_data) answered by the target with REGEN's settings, `temperature` for REGEN's."""
+    temperature = REGEN["temperature"] if temperature is None else temperature
+    argv = ["regenerate", "--model", arms.model_path(), "--data", str(source or source_data(a)), "--out", str(out), "--engine", engine,
+            "--temperature", str(temperature), "--max-new-tokens", str(REGEN["max_new_tokens"]),
             "--max-turns", str(REGEN["max_turns"])] + (["--drop-loops"] if REGEN["drop_loops"] else [])
     if limit:
         argv += ["--limit", str(limit)]
@@ -330,20 +332,20 @@ def _recipe_data(a, arm: str) -> Path:
         return src
     out = regen_dir() if arm == "greedy" else work() / f"recipe-regen-t{RECIPE_TEMPERATURE}"  # greedy: dflash.json's data
     if not (out / "meta.json").exists():
-        argv = ["regenerate", "--model", arms.model_path(), "--data", str(src), "--out", str(out), "--engine", a.engine,
-                "--temperature", str(0.0 if arm == "greedy" else RECIPE_TEMPERATURE), "--max-new-tokens",
-                str(REGEN["max_new_tokens"]), "--max-turns", str(REGEN["max_turns"]), "--drop-loops"]
-        t0 = time.time()
-        arms._cli(argv)
-        (out / "bench-wall.json").write_text(json.dumps({"engine": a.engine, "wall_s": round(time.time() - t0, 1)}) + "\n")
+        r = regen(a, out, None, a.engine, source=src, temperature=None if arm == "greedy" else RECIPE_TEMPERATURE)
+        (out / "bench-wall.json").write_text(json.dumps({"engine": r["engine"], "wall_s": r["wall_s"]}) + "\n")
     meta = json.loads((out / "meta.json").read_text())
     if os.path.realpath(meta["notes"]["regenerated"]["source_data"]) != os.path.realpath(src):
         raise SystemExit(f"{out} was regenerated from another source than {src}")
     return out
 
 
+def _recipe_arm(arm: str, steps: int) -> str:
+    return f"recipe-{arm}-s{steps}"
+
+
 def _recipe_eval(arm: str, steps: int) -> dict:
-    return arms.eval_arm(f"recipe-{arm}-s{steps}", 0.0)  # all 80 first turns, 128 tokens, chain of 3, no plain baseline
+    return arms.eval_arm(_recipe_arm(arm, steps), 0.0)  # all 80 first turns, 128 tokens, chain of 3, no plain baseline
 
 
 def cmd_recipe(a) -> None:
@@ -351,7 +353,7 @@ def cmd_recipe(a) -> None:
     for arm in RECIPE_ARMS:
         feats = arms.prepare_data(PRESET, data=str(_recipe_data(a, arm)))["features"]
         # --epochs large: --max-steps decides (the smaller regenerated sets repeat more often)
-        arms.train_arm(f"recipe-{arm}-s{a.steps}", ["--max-steps", str(a.steps), "--epochs", "1000"], PRESET, feats)
+        arms.train_arm(_recipe_arm(arm, a.steps), ["--max-steps", str(a.steps), "--epochs", "1000"], PRESET, feats)
         r = _recipe_eval(arm, a.steps)
         print(arm, json.dumps({"tau": r["tau"], "accept_per_position": r["accept_per_position"]}), flush=True)
 
@@ -373,7 +375,7 @@ def cmd_recipe_report(a) -> None:
             "data": {"dir": str(data), "samples": meta["n_samples"], "tokens": meta["n_tokens"],
                      "answer_tokens": sum(int(sum(s.loss_mask)) for s in PreparedData(data)),
                      "regenerate": None if regen is None else {**regen, "bench": json.loads(wall.read_text()) if wall.exists() else None}},
-            "train": arms.arm_summary(f"recipe-{arm}-s{a.steps}", PRESET),
+            "train": arms.arm_summary(_recipe_arm(arm, a.steps), PRESET),
             "eval": {k: e.get(k) for k in ("tau", "accept_per_position", "n_prompts", "generated_tokens", "verify_steps", "steps",
                                            "max_new_tokens", "workers")},
         }
