@@ -16,6 +16,37 @@ if TYPE_CHECKING:
     from eaglenest.draft.config import DraftConfig
 
 
+def _rms_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) rounded to x's dtype, 1 / rms(x) per row in at least fp32): the Llama formula."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd).to(x.dtype), rstd
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm with its backward written out: it keeps the input and one scale per row, where autograd
+    keeps the input's fp32 copy, its square and the normalized rows, and its backward takes half
+    the passes (the training step's norms run at every TTT step; fp64 tests hold it to the formula)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        n, rstd = _rms_normalize(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * n
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        gx = gw = None
+        if ctx.needs_input_grad[1]:  # d(weight * n)/d weight, summed over rows, with n rounded as in the forward
+            gw = (g * xhat.to(x.dtype)).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:  # d/dx of x * rstd(x): rstd * (gn - xhat * mean(gn * xhat))
+            gn = (g * weight).to(rstd.dtype)
+            gx = (rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -23,10 +54,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return self.weight * _rms_normalize(x, self.eps)[0]
 
 
 class Rotary(nn.Module):
