@@ -242,15 +242,19 @@ def build_specforge(shape, T, ttt, device, inp, attn_backend="flex_attention"):
 
 
 def saved_bytes(a) -> dict:
-    """Autograd-saved bytes per token per TTT step of our loss (bf16 autocast, checkpointed logits),
+    """Autograd-saved bytes per token per TTT step of our loss (bf16 parameters and autocast, the fused head),
     measured with saved_tensors_hooks (storages counted once, parameters and their bf16 casts
     excluded by differencing): S(T, k) at two lengths and two TTT depths ->
     per token per step = [(S(T2,k2) - S(T1,k2)) - (S(T2,k1) - S(T1,k1))] / (T2 - T1) / (k2 - k1)."""
     import torch
 
+    from eaglenest.train.compaction import ROW_BUCKET
+    from eaglenest.train.precision import MasterWeights
     from eaglenest.train.ttt import denominators, ttt_forward
 
-    T1, T2, k1, k2 = 32, 64, 1, 3
+    # whole row buckets (train/compaction.py ROW_BUCKET): a step's rows are rounded up to one, so lengths
+    # inside one bucket would measure the same rows twice
+    T1, T2, k1, k2 = 2 * ROW_BUCKET, 4 * ROW_BUCKET, 1, 3
     inp = make_inputs(a.shape, T2, "cpu")
     s = SHAPES[a.shape]
     out = {}
@@ -259,8 +263,11 @@ def saved_bytes(a) -> dict:
         for T in (T1, T2):
             for k in (k1, k2):
                 step_inp = {**inp, "input_ids": inp["input_ids"][:, :T], "loss_mask": torch.ones(1, T, dtype=torch.long),
-                            "aux": inp["aux"][:, :T].float()}
-                model = _SAVED_MODEL.get(a.shape) or _SAVED_MODEL.setdefault(a.shape, _bare_model(a.shape, inp))
+                            "aux": inp["aux"][:, :T]}  # bf16, as the objective passes it under autocast
+                if a.shape not in _SAVED_MODEL:  # bf16 parameters with fp32 masters, as the trainer runs under bf16
+                    _SAVED_MODEL[a.shape] = _bare_model(a.shape, inp)
+                    MasterWeights(_SAVED_MODEL[a.shape])
+                model = _SAVED_MODEL[a.shape]
                 seen = {}
 
                 def pack(t):
@@ -279,8 +286,9 @@ def saved_bytes(a) -> dict:
         per = ((S[(T2, k2)] - S[(T1, k2)]) - (S[(T2, k1)] - S[(T1, k1)])) / (T2 - T1) / (k2 - k1)
         fixed = (S[(T2, k1)] - S[(T1, k1)]) / (T2 - T1) - per  # per token, outside the TTT steps (fc, inputs)
         out["layer_recompute" if rec else "no_recompute"] = {"bytes_per_token_per_step": round(per), "bytes_per_token_fixed": round(fixed)}
-    H, I = s["H"], s["I"]
-    out["model_no_recompute"] = 47 * H + 8 * I  # eaglenest.train.trainer.estimate_activation_bytes per token per step
+    from eaglenest.train.trainer import estimate_activation_bytes
+
+    out["model_no_recompute"] = estimate_activation_bytes(model.cfg, 1, 1)  # what `--recompute auto` assumes
     return out
 
 

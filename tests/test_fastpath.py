@@ -240,6 +240,41 @@ def test_teacher_is_computed_once_and_not_copied_per_step():
     assert per_step < teacher_bytes / 2, (per_step, teacher_bytes)
 
 
+@pytest.mark.parametrize("H,I", [(64, 128), (64, 512), (128, 256)])
+def test_the_activation_estimate_bounds_what_autograd_saves(H, I):
+    """`--recompute auto` decides from estimate_activation_bytes: it must not be below what a step saves
+    (an out-of-memory error), nor far above (recompute, ~10-20 % more arithmetic, where the activations
+    fit).  Measured as the trainer runs under bf16: bf16 parameters, autocast, every position with a
+    loss; per token per TTT step from two lengths (whole row buckets) and two depths."""
+    from eaglenest.train.compaction import ROW_BUCKET
+    from eaglenest.train.precision import MasterWeights
+    from eaglenest.train.trainer import estimate_activation_bytes
+
+    d = draft(n_head=4, n_kv=2, hd=H // 4, H=H, V=300, Vd=120, dtype=torch.float32)  # heads x head_dim = H, as targets have
+    d.cfg.intermediate_size = I
+    d.midlayer.mlp = type(d.midlayer.mlp)(d.cfg)
+    MasterWeights(d)
+
+    def saved(T, ttt):
+        ids, _, aux, tprobs, targ = batch(d, [T], dtype=torch.bfloat16)
+        mask = torch.ones_like(ids)
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        teacher = TeacherRows.from_probs(tprobs.float(), targ)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=64, attn_impl="chunked")
+        return sum(seen.values())
+
+    T1, T2 = 2 * ROW_BUCKET, 4 * ROW_BUCKET
+    per = ((saved(T2, 3) - saved(T1, 3)) - (saved(T2, 1) - saved(T1, 1))) / (T2 - T1) / 2
+    est = estimate_activation_bytes(d.cfg, 1, 1)
+    assert per > 0 and 1.0 <= est / per <= 1.2, (est, per)
+
+
 def test_teacher_targets_chunked_bf16():
     g = torch.Generator().manual_seed(0)
     V, H, Vd = 500, 32, 200
