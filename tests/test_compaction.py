@@ -1,5 +1,5 @@
 """Row compaction (train/compaction.py): from TTT step 1 on only the rows with a loss at that step or a
-later one are computed, and the loss, the gradients and every logged statistic are those of computing
+later one are computed (at step 0 all rows' keys and values, the rest of the layer at rows some step reads), and the loss, the gradients and every logged statistic are those of computing
 every row (fp64; GQA and MLA drafts; several samples per micro-batch, all-prompt and all-answer ones;
 every attention kernel); the teacher read at its needed rows only gives the same."""
 
@@ -66,6 +66,7 @@ def test_compacted_rows_equal_every_row(attention, impl, loss):
     real = lambda p: B * T + sum(s.idx.unique().numel() for s in p.steps)  # noqa: E731 -- without the bucket's repeats
     assert real(p_full) == ttt * B * T
     assert real(p_comp) < 0.8 * real(p_full)  # the prompt, the padding and the tails are skipped
+    assert p_full.keep0 is None and p_comp.keep0.unique().numel() < 0.5 * B * T  # step 0's layer past its keys too
     assert all(g.abs().sum() > 0 for g in g_comp)
 
 

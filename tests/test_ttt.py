@@ -181,3 +181,11 @@ def test_loss_mask_is_aligned_with_the_predicted_token():
     assert p.teacher_rows[:4].tolist() == [4, 5, 6, 6] and p.counts == [3, 3, 3]
     full = plan_rows(mask, 3, compact=False)
     assert [s.idx.unique().numel() for s in full.steps] == [10, 10] and full.loss_teacher.tolist() == p.loss_teacher.tolist()
+    assert p.keep0 is None and full.keep0 is None  # one bucket holds all 10 rows: step 0 keeps every row's output
+    # two buckets: step 0 keeps its output at the rows some step reads (1..5), the rest only give keys and values
+    long = torch.zeros(1, 128, dtype=torch.long)
+    long[0, 5:8] = 1
+    p = plan_rows(long, 3)
+    assert p.keep0[:6].tolist() == [1, 2, 3, 4, 5, 5] and p.keep0.numel() == 64
+    assert p.keep0[p.loss0].tolist() == [3, 4, 5]  # the loss rows, as positions among the kept ones
+    assert p.keep0[p.steps[0].prev[:4]].tolist() == [1, 2, 3, 4] == p.steps[0].idx[:4].tolist()  # step 1 continues row t

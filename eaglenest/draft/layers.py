@@ -126,6 +126,13 @@ def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float, rows=None):
     return (out if rows is None else rows.unpadded(out)), (k, v)
 
 
+def kept_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """x [B, T, D] -> [1, N, D], the rows at flat ids `keep` (b*T + t); None keeps x as it is.  A TTT step
+    whose output is read at a few rows only (train/compaction.py keep0) runs its layer past the
+    attention on those."""
+    return x if keep is None else x.reshape(1, -1, x.shape[-1]).index_select(1, keep)
+
+
 # --- the decoding cache: whatever the attention keeps per position, as tensors [B, heads, T, d] ---
 def cache_append(cache: tuple | None, new: tuple) -> tuple:
     """A draft's decoding cache is a tuple of tensors with positions on dim 2 (gqa: (K, V);

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from eaglenest.draft.kernels import eager_attention
-from eaglenest.draft.layers import RMSNorm, cache_append, ttt_attention
+from eaglenest.draft.layers import RMSNorm, cache_append, kept_rows, ttt_attention
 
 if TYPE_CHECKING:
     from eaglenest.draft.model import Eagle3Config
@@ -93,9 +93,9 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.vd], dim=-1)
         return torch.cat([k_nope, k_rope.expand(B, self.n_head, Tk, self.rope)], dim=-1), v
 
-    def _out(self, o):
+    def _out(self, o, keep=None):
         B, n, _, T, _ = o.shape
-        return self.o_proj(o.reshape(B, n, T, self.vd).transpose(1, 2).reshape(B, T, n * self.vd))
+        return self.o_proj(kept_rows(o.reshape(B, n, T, self.vd).transpose(1, 2).reshape(B, T, n * self.vd), keep))
 
     def forward(self, x, cos, sin, past_kv=None, mask=None):
         """Decoding: the cache `past_kv` is (latent [B, 1, Tc, r+rope],); keys = cache + own, expanded
@@ -104,8 +104,9 @@ class MLAAttention(nn.Module):
         k, v = self._expand(cache_append(past_kv, (latent,))[0])
         return self._out(eager_attention(q, k, v, mask, (), self.scale)), (latent,)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
-        """Training-time test (see `layers.ttt_attention`) on the expanded keys and values."""
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
+        """Training-time test (see `layers.ttt_attention`) on the expanded keys and values; the output
+        only at the flat rows `keep` (None: all)."""
         q, latent = self._project(x, cos, sin)
         o, kv = ttt_attention(q, *self._expand(latent), ctx_kv, diag_kv, kernel, self.scale, rows)
-        return self._out(o), kv
+        return self._out(o, keep), kv

@@ -54,6 +54,7 @@ from eaglenest.draft.layers import (  # noqa: F401 -- cache_length, rotate_half:
     Rotary,
     apply_rope,
     cache_append,
+    kept_rows,
     cache_length,
     rotate_half,
     ttt_attention,
@@ -112,9 +113,9 @@ class Attention(nn.Module):
         # grouped-query attention without copying K/V: queries as [B, kv, g, T, hd]
         return q.view(B, self.n_kv, self.n_head // self.n_kv, T, self.hd), k, v
 
-    def _out(self, o):
+    def _out(self, o, keep=None):
         B, _, _, T, _ = o.shape
-        return self.o_proj(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        return self.o_proj(kept_rows(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd), keep))
 
     def forward(self, x, cos, sin, past_kv=None, mask=None):
         """Decoding: x [B, T, 2H]; keys = cache `past_kv` + own; mask [B or 1, T, Tk] bool (True =
@@ -123,10 +124,11 @@ class Attention(nn.Module):
         keys = cache_append(past_kv, (k, v))
         return self._out(eager_attention(qg, *keys, mask, (), self.scale)), (k, v)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
-        """Training-time test (see `ttt_attention`).  Returns (output, own (K, V))."""
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
+        """Training-time test (see `ttt_attention`).  Returns (output, only at the flat rows `keep`
+        when given, own (K, V))."""
         o, kv = ttt_attention(*self._qkv(x, cos, sin), ctx_kv, diag_kv, kernel, self.scale, rows)
-        return self._out(o), kv
+        return self._out(o, keep), kv
 
 
 class MidLayer(nn.Module):
@@ -146,12 +148,13 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, attend):
-        """`attend(x) -> (attention output, own (K, V))`: the decoding or the training attention."""
+    def forward(self, embeds, hidden, attend, keep=None):
+        """`attend(x) -> (attention output, own (K, V))`: the decoding or the training attention; with
+        `keep` (flat row ids) the attention's output is those rows' only, and so is the layer's."""
         hn = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
         a, new_kv = attend(x)
-        h = (hn if self.norm_before_residual else hidden) + a  # residual: the un-normed hidden input (engines' default)
+        h = kept_rows(hn if self.norm_before_residual else hidden, keep) + a  # residual: the un-normed hidden input (engines' default)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
 
@@ -224,14 +227,14 @@ class Eagle3Draft(DraftVocab, nn.Module):
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn(x, cos, sin, past_kv, mask))
 
-    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
-        """One training-time-test step (see `ttt_attention`): step 0 over whole sequences [B, T], a later
-        step over its rows [1, N] (`rows`); `kernel` from eaglenest.draft.kernels.causal_kernel (None:
-        the materializing reference)."""
+    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
+        """One training-time-test step (see `ttt_attention`): step 0 over whole sequences [B, T] (its output
+        only at the flat rows `keep` when given: [1, N0]), a later step over its rows [1, N] (`rows`);
+        `kernel` from eaglenest.draft.kernels.causal_kernel (None: the materializing reference)."""
         cos, sin = self.rotary(position_ids)
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden,
-                             lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel, rows))
+                             lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel, rows, keep), keep)
 
     # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
     def forward(self, input_ids, aux_hidden_states, position_ids=None):
