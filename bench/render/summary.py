@@ -71,7 +71,7 @@ def train_ab(*rs):
                       f"{s['peak_rss_gib']['base']:.2f} GiB, losses {'within' if s['losses_equal_within_tolerance'] else 'outside'} "
                       "the tolerance" for r, (k, s) in zip(rs, each))
             + f"; held-out accuracy at most {max(s['eval_acc_max_abs_diff'] for _, s in each):.3f} apart",
-            f"the demo recipe, {rs[0]['steps']} steps × {rs[0]['rounds']} paired rounds, " + ", ".join(f"{cpu(r)} ({r['cpu_kind']})" for r in rs))
+            f"the demo recipe, {rs[0]['steps']} steps, " + ", ".join(f"{cpu(r)} ({r['cpu_kind']}; {r['rounds']} paired rounds)" for r in rs))
 
 
 def regen(r):

@@ -35,7 +35,7 @@ def render(results: dict[str, dict]) -> str:
     new = "the commit in each row" if commits else f"commit {r['arms']['new']['commit'][:7]}"
     return "\n".join([
         f"The training step of `eaglenest train` at {new} vs the commit before this work "
-        f"({r['arms']['base']['commit'][:7]}), paired: fresh processes in alternating order, {r['rounds']} rounds, each the "
+        f"({r['arms']['base']['commit'][:7]}), paired: fresh processes in alternating order, one ratio per round (the rounds in each row), each the "
         f"whole training run (its optimizer steps in the recipe column) on real SmolLM2 features, step time the median from step {r['timed_from_step']}, "
         f"on {', '.join(machines)}. Losses: the largest relative difference from the base run, step by step over "
         f"the first steps, then of {r['tolerance']['window']}-step means over the run, beside a control run of the base "
