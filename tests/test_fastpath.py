@@ -17,9 +17,9 @@ from eaglenest.train.ttt import Teacher, denominators, ttt_forward
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def draft(n_head=4, n_kv=2, hd=8, H=32, V=300, Vd=120, seed=0, dtype=torch.float64):
+def draft(n_head=4, n_kv=2, hd=8, H=32, V=300, Vd=120, seed=0, dtype=torch.float64, I=None):
     cfg = Eagle3Config(
-        hidden_size=H, intermediate_size=2 * H, num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=hd,
+        hidden_size=H, intermediate_size=I or 2 * H, num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=hd,
         vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[1, 2, 3], target_num_layers=6,
     )
     torch.manual_seed(seed)
@@ -43,6 +43,20 @@ def batch(d, lengths, seed=1, dtype=torch.float64):
     tprobs = torch.softmax(torch.randn(B, T, Vd, generator=g, dtype=dtype) * 2, -1)
     targ = torch.randint(0, V, (B, T), generator=g)
     return ids, mask, aux, tprobs, targ
+
+
+def saved_storage_bytes(fn, skip: torch.Tensor | None = None) -> int:
+    """Bytes of the storages autograd saves for backward while `fn()` runs (each storage once; `skip`'s not counted)."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for ptr, n in seen.items() if skip is None or ptr != skip.untyped_storage().data_ptr())
 
 
 def loss_and_grads(d, b, ttt, **kw):
@@ -225,15 +239,8 @@ def test_teacher_is_computed_once_and_not_copied_per_step():
     teacher = TeacherRows.from_probs(tprobs, targ)
 
     def saved_bytes(ttt):
-        seen = {}
-
-        def pack(t):
-            seen[(t.data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=16, attn_impl="chunked")
-        return sum(v for (ptr, n), v in seen.items() if ptr != teacher.logits.data_ptr())
+        return saved_storage_bytes(lambda: ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=16, attn_impl="chunked"),
+                                   skip=teacher.logits)
 
     per_step = saved_bytes(3) - saved_bytes(2)
     teacher_bytes = tprobs.numel() * 4
@@ -250,24 +257,16 @@ def test_the_activation_estimate_bounds_what_autograd_saves(H, I):
     from eaglenest.train.precision import MasterWeights
     from eaglenest.train.trainer import estimate_activation_bytes
 
-    d = draft(n_head=4, n_kv=2, hd=H // 4, H=H, V=300, Vd=120, dtype=torch.float32)  # heads x head_dim = H, as targets have
-    d.cfg.intermediate_size = I
-    d.midlayer.mlp = type(d.midlayer.mlp)(d.cfg)
+    d = draft(n_head=4, n_kv=2, hd=H // 4, H=H, V=300, Vd=120, dtype=torch.float32, I=I)  # heads x head_dim = H, as targets have
     MasterWeights(d)
 
     def saved(T, ttt):
         ids, _, aux, tprobs, targ = batch(d, [T], dtype=torch.bfloat16)
         mask = torch.ones_like(ids)
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         teacher = TeacherRows.from_probs(tprobs.float(), targ)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=64, attn_impl="chunked")
-        return sum(seen.values())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return saved_storage_bytes(lambda: ttt_forward(d, ids, aux, teacher, mask, ttt, denominators(mask, ttt), chunk=64,
+                                                           attn_impl="chunked"))
 
     T1, T2 = 2 * ROW_BUCKET, 4 * ROW_BUCKET
     per = ((saved(T2, 3) - saved(T1, 3)) - (saved(T2, 1) - saved(T1, 1))) / (T2 - T1) / 2

@@ -54,8 +54,8 @@ from eaglenest.draft.layers import (  # noqa: F401 -- cache_length, rotate_half:
     Rotary,
     apply_rope,
     cache_append,
-    kept_rows,
     cache_length,
+    kept_rows,
     rotate_half,
     ttt_attention,
 )

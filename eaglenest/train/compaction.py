@@ -118,8 +118,9 @@ def plan_rows(loss_mask: torch.Tensor, ttt: int, compact: bool = True) -> RowPla
         keep0 = _pad_rows(real0, bucketed(real0.numel()))
         pos_prev = torch.full((B * T,), keep0.numel(), dtype=torch.long)
         pos_prev[real0] = torch.arange(real0.numel())
-    loss0 = pos_prev[ar[has[0]]]
-    steps, loss_ids, step_ids = [], [ar[has[0]]], [torch.zeros(int(has[0].sum()), dtype=torch.long)]
+    lid0 = ar[has[0]]
+    loss0 = pos_prev[lid0]  # step 0's loss rows among its output rows
+    steps, loss_ids, step_ids = [], [lid0], [torch.zeros(lid0.numel(), dtype=torch.long)]
     for j in range(1, ttt):
         real = ar[keep[j]]
         if real.numel() == 0:
