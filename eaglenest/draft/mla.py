@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from eaglenest.draft.kernels import eager_attention
-from eaglenest.draft.model import DraftConfig, RMSNorm, cache_append, ttt_attention
+from eaglenest.draft.model import DraftConfig, RMSNorm, cache_append, kept_rows, ttt_attention
 
 
 def yarn_mscale(rope_parameters: dict) -> float:
@@ -89,9 +89,9 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.vd], dim=-1)
         return torch.cat([k_nope, k_rope.expand(B, self.n_head, Tk, self.rope)], dim=-1), v
 
-    def _out(self, o):
+    def _out(self, o, keep=None):
         B, n, _, T, _ = o.shape
-        return self.o_proj(o.reshape(B, n, T, self.vd).transpose(1, 2).reshape(B, T, n * self.vd))
+        return self.o_proj(kept_rows(o.reshape(B, n, T, self.vd).transpose(1, 2).reshape(B, T, n * self.vd), keep))
 
     def forward(self, x, cos, sin, past_kv=None, mask=None):
         """Decoding: the cache `past_kv` is (latent [B, 1, Tc, r+rope],); keys = cache + own, expanded
@@ -100,8 +100,8 @@ class MLAAttention(nn.Module):
         k, v = self._expand(cache_append(past_kv, (latent,))[0])
         return self._out(eager_attention(q, k, v, mask, (), self.scale)), (latent,)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
         """Training-time test (see `model.ttt_attention`) on the expanded keys and values."""
         q, latent = self._project(x, cos, sin)
         o, kv = ttt_attention(q, *self._expand(latent), ctx_kv, diag_kv, kernel, self.scale, rows)
-        return self._out(o), kv
+        return self._out(o, keep), kv

@@ -140,6 +140,37 @@ class DraftConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+def _rms_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) rounded to x's dtype, 1 / rms(x) per row in at least fp32): the Llama formula."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd).to(x.dtype), rstd
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        n, rstd = _rms_normalize(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * n
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g * xhat.to(x.dtype)).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gn = (g * weight).to(rstd.dtype)
+            gx = (rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
+
+
+def kept_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return x if keep is None else x.reshape(1, -1, x.shape[-1]).index_select(1, keep)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -147,10 +178,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return self.weight * _rms_normalize(x, self.eps)[0]
 
 
 class Rotary(nn.Module):
@@ -216,9 +246,9 @@ class Attention(nn.Module):
         # grouped-query attention without copying K/V: queries as [B, kv, g, T, hd]
         return q.view(B, self.n_kv, self.n_head // self.n_kv, T, self.hd), k, v
 
-    def _out(self, o):
+    def _out(self, o, keep=None):
         B, _, _, T, _ = o.shape
-        return self.o_proj(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        return self.o_proj(kept_rows(o.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd), keep))
 
     def forward(self, x, cos, sin, past_kv=None, mask=None):
         """Decoding: x [B, T, 2H]; keys = cache `past_kv` + own; mask [B or 1, T, Tk] bool (True =
@@ -227,10 +257,9 @@ class Attention(nn.Module):
         keys = cache_append(past_kv, (k, v))
         return self._out(eager_attention(qg, *keys, mask, (), self.scale)), (k, v)
 
-    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
-        """Training-time test (see `ttt_attention`).  Returns (output, own (K, V))."""
+    def forward_ttt(self, x, cos, sin, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
         o, kv = ttt_attention(*self._qkv(x, cos, sin), ctx_kv, diag_kv, kernel, self.scale, rows)
-        return self._out(o), kv
+        return self._out(o, keep), kv
 
 
 def ttt_attention(qg, k, v, ctx_kv, diag_kv, kernel, scale: float, rows=None):
@@ -298,12 +327,12 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, attend):
+    def forward(self, embeds, hidden, attend, keep=None):
         """`attend(x) -> (attention output, own (K, V))`: the decoding or the training attention."""
         hn = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
         a, new_kv = attend(x)
-        h = (hn if self.norm_before_residual else hidden) + a  # residual: the un-normed hidden input (engines' default)
+        h = kept_rows(hn if self.norm_before_residual else hidden, keep) + a  # residual: the un-normed hidden input (engines' default)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
 
@@ -376,14 +405,14 @@ class Eagle3Draft(DraftVocab, nn.Module):
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden, lambda x: attn(x, cos, sin, past_kv, mask))
 
-    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None, rows=None):
+    def ttt_step(self, input_ids, hidden, position_ids, ctx_kv=None, diag_kv=(), kernel=None, rows=None, keep=None):
         """One training-time-test step (see `ttt_attention`): step 0 over whole sequences [B, T], a later
         step over its rows [1, N] (`rows`); `kernel` from eaglenest.draft.kernels.causal_kernel (None:
         the materializing reference)."""
         cos, sin = self.rotary(position_ids)
         attn = self.midlayer.self_attn
         return self.midlayer(self.embed(input_ids).to(hidden.dtype), hidden,
-                             lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel, rows))
+                             lambda x: attn.forward_ttt(x, cos, sin, ctx_kv, diag_kv, kernel, rows, keep), keep)
 
     # --- whole-sequence training forward (plain reference; the trainer has the TTT loop) ---
     def forward(self, input_ids, aux_hidden_states, position_ids=None):

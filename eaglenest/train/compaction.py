@@ -3,9 +3,11 @@
 Row t of step j (sample b) reads token x_{t+1+j} and predicts x_{t+2+j}: it has a loss iff m_{t+2+j}
 (train/ttt.py).  Its output reaches a later step i only through row t itself (the hidden state fed
 back, the diagonal key t), and step i > 0 attends to step 0's keys -- never to another row of a
-step j > 0.  So step 0 computes every row (its keys are every later row's context), and step j > 0
-only the rows with a loss at step j or later: the same losses, gradients and statistics as
-computing every row, with the rows that carry nothing (the prompt, padding, the tail) skipped.
+step j > 0.  So step 0 computes every row's keys and values (every later row's context), but the
+rest of its layer (o_proj, the residual, the MLP) only for the rows with a loss at some step
+(`keep0`), and step j > 0 only the rows with a loss at step j or later: the same losses, gradients
+and statistics as computing every row, with the rows that carry nothing (the prompt, padding, the
+tail) skipped.
 
 Steps j > 0 hold their rows flat ([1, N_j, ..]): every row-wise op (the projections, the MLP, the
 norms) runs on N_j rows.  Their attention runs in the sequences' own [B, T] layout (`StepRows.
@@ -65,7 +67,8 @@ class StepRows:
 class RowPlan:
     B: int
     T: int
-    loss0: torch.Tensor  # [L0] flat ids of step 0's rows with a loss
+    keep0: torch.Tensor | None  # [N0] flat ids of the rows whose step-0 output is read (bucketed); None: every row
+    loss0: torch.Tensor  # [L0] positions among step 0's output rows of those with a loss
     steps: list[StepRows]  # steps 1..ttt-1 (fewer when a step has no row left: later ones have none either)
     teacher_rows: torch.Tensor  # [Q] flat ids q whose teacher distribution P_q some step reads (m_{q+1} = 1), bucketed
     teacher_index: torch.Tensor  # [B*T] position of flat id q among teacher_rows (-1: not read)
@@ -76,7 +79,7 @@ class RowPlan:
     def map(self, fn) -> "RowPlan":
         """The plan with `fn` applied to every tensor (a device move, pinning)."""
         steps = [StepRows(*(fn(getattr(s, f.name)) for f in fields(StepRows))) for s in self.steps]
-        return RowPlan(self.B, self.T, fn(self.loss0), steps, fn(self.teacher_rows), fn(self.teacher_index),
+        return RowPlan(self.B, self.T, None if self.keep0 is None else fn(self.keep0), fn(self.loss0), steps, fn(self.teacher_rows), fn(self.teacher_index),
                        fn(self.step_of_loss), fn(self.loss_teacher), self.counts)
 
     def to(self, device, non_blocking: bool = False) -> "RowPlan":
@@ -108,7 +111,14 @@ def plan_rows(loss_mask: torch.Tensor, ttt: int, compact: bool = True) -> RowPla
     for j in range(ttt - 1, 0, -1):
         later = later | has[j]
         keep[j] = later.clone() if compact else torch.ones(B * T, dtype=torch.bool)
+    real0 = ar[has[0] | later] if compact else ar  # step 0's output rows: a loss at some step (`later`: at step 1 on)
+    keep0 = None
     pos_prev = ar  # step 0: every row, in flat order
+    if 0 < real0.numel() and bucketed(real0.numel()) < B * T:
+        keep0 = _pad_rows(real0, bucketed(real0.numel()))
+        pos_prev = torch.full((B * T,), keep0.numel(), dtype=torch.long)
+        pos_prev[real0] = torch.arange(real0.numel())
+    loss0 = pos_prev[ar[has[0]]]
     steps, loss_ids, step_ids = [], [ar[has[0]]], [torch.zeros(int(has[0].sum()), dtype=torch.long)]
     for j in range(1, ttt):
         real = ar[keep[j]]
@@ -127,5 +137,5 @@ def plan_rows(loss_mask: torch.Tensor, ttt: int, compact: bool = True) -> RowPla
     teacher_index = torch.full((B * T,), -1, dtype=torch.long)
     teacher_index[q] = torch.arange(q.numel())
     loss_teacher = torch.cat([lid + 1 + j for j, lid in enumerate(loss_ids)])
-    return RowPlan(B, T, loss_ids[0], steps, _pad_rows(q, bucketed(q.numel())), teacher_index, torch.cat(step_ids), loss_teacher,
+    return RowPlan(B, T, keep0, loss0, steps, _pad_rows(q, bucketed(q.numel())), teacher_index, torch.cat(step_ids), loss_teacher,
                    [int(x.numel()) for x in loss_ids] + [0] * (ttt - len(loss_ids)))

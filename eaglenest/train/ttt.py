@@ -186,9 +186,9 @@ def ttt_forward(
             return checkpoint(draft.ttt_step, *args, use_reentrant=False, **kw)
         return draft.ttt_step(*args, **kw)
 
-    # step 0: whole sequences, causally; its keys are every later step's context
-    h, ctx_kv = run(shift_left(input_ids, 1), draft.fuse(aux), torch.arange(T, device=dev).expand(B, T), kernel=kernel)
-    h = h.reshape(1, B * T, -1)
+    # step 0: whole sequences, causally; its keys are every later step's context (the layer's output only at plan.keep0)
+    h, ctx_kv = run(shift_left(input_ids, 1), draft.fuse(aux), torch.arange(T, device=dev).expand(B, T), kernel=kernel, keep=plan.keep0)
+    h = h.reshape(1, -1, h.shape[-1])  # [1, B*T or the kept rows, H]
     outs = [h[0].index_select(0, plan.loss0)]
     ids = torch.nn.functional.pad(input_ids.reshape(-1), (0, 1))  # flat, and a padding token at B*T
     diag = []
