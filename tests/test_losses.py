@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eaglenest import EaglenestError
-from eaglenest.train.losses import LossSpec, SoftTarget, TeacherRows, head_loss, loss_step_bytes
+from eaglenest.train.losses import ROW_MAX_BLOCK, LossSpec, SoftTarget, TeacherRows, head_loss, loss_step_bytes, row_max
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -214,3 +214,23 @@ def test_kimi_vocabulary_step_memory_is_bounded(mix):
     fp32 = r["largest_by_dtype"]["float32"][0]
     assert fp32 <= r["loss_chunk_rows"] * V * 4 < N * V * 4 / 8, r["largest_by_dtype"]
     assert r["teacher_kept_bytes"] <= N * (2 * V + 12)  # bf16 logits, argmax, log-mass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [300, 2 * ROW_MAX_BLOCK, 8000, 8192, 49152])
+def test_row_max_is_torch_max(dtype, width):
+    """The blocked argmax (teacher and draft logits) gives torch's values and indices: the first
+    maximum of a row, ties inside a block, across blocks and in a short tail included."""
+    g = torch.Generator().manual_seed(width)
+    z = (torch.randn(64, width, generator=g) * 3).to(dtype)
+    z[1] = 0.0  # every column ties: index 0
+    z[2, -1] = z[2, 5] = 100.0  # the first of two maxima, in the first block and in the tail
+    z[3, width // 2] = z[3, width - 2] = 100.0  # two blocks hold the maximum
+    z[4, 7] = z[4, 9] = 100.0  # a tie inside one block
+    z[5] = float("-inf")
+    z[5, width - 1] = 1.0  # the last column
+    z[6] = torch.round(z[6])  # many ties at a coarse grid
+    for x in (z, torch.cat([z, z], 1)[:, 3 : 3 + width]):  # contiguous, and a strided view
+        v, i = row_max(x)
+        ref = x.max(-1)
+        assert torch.equal(i, ref.indices) and torch.equal(v, ref.values)

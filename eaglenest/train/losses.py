@@ -207,11 +207,36 @@ def normalize_loss(text: str) -> str:
 # per-row values and gradients with respect to the logits
 
 
+ROW_MAX_BLOCK = 256  # columns per block of row_max's first pass (of 256 to 4096, the fastest on a 49K-wide bf16 row)
+
+
+def row_max(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z.max(-1) of 2-D logits: (values, the index of the first maximum), the same values and indices,
+    ties included.  On the CPU in two passes: each block's maximum without indices (amax), then the
+    index inside the first block holding the row's maximum: on the CPU torch's max with indices is
+    several times slower than amax over wide rows (the teacher's full-vocabulary argmax, the draft's
+    per loss chunk).  Elsewhere torch's own.  A row holding a NaN is not supported (max would point
+    at the NaN; these logits feed a softmax, where it fails anyway)."""
+    B = ROW_MAX_BLOCK
+    V = z.shape[-1]
+    if z.device.type != "cpu" or z.dim() != 2 or V < 2 * B:
+        return tuple(z.max(-1))
+    full = V // B
+    blocks = z.view(-1, full, B) if full * B == V and z.is_contiguous() else z.unfold(1, B, B)  # views (unfold's amax is slower)
+    bm = blocks.amax(-1)  # [N, full]; a tail is a block of its own
+    if full * B < V:
+        bm = torch.cat([bm, z[:, full * B:].amax(-1, keepdim=True)], 1)
+    m, first = bm.max(-1)  # the first block holding the maximum
+    start = first * B
+    idx = (start[:, None] + torch.arange(B, device=z.device)).clamp_max_(V - 1)  # a short tail repeats its last column
+    return m, start + z.gather(1, idx).max(-1).indices
+
+
 def _softmax_parts(z: torch.Tensor, ph: torch.Tensor | None):
     """z [c, Vd] (any float dtype) -> (q = softmax(z) in >= fp32, log-sum-exp, the argmax, <z, ph> - lse or
     None): the max (and argmax) over z as it came from the matmul, then one >= fp32 buffer worked on in place
     (z itself when it is >= fp32: the caller's logits are consumed)."""
-    m, arg = z.max(dim=-1)
+    m, arg = row_max(z)
     e = z.to(torch.promote_types(z.dtype, torch.float32)).sub_(m[:, None])  # z - max, exactly (same-dtype ops: vectorized)
     dot = None if ph is None else torch.linalg.vecdot(e, ph)  # <z, ph> - max (ph sums to 1)
     s = e.exp_().sum(-1)
