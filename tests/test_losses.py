@@ -224,7 +224,7 @@ def test_row_max_is_torch_max(dtype, width):
     g = torch.Generator().manual_seed(width)
     z = (torch.randn(64, width, generator=g) * 3).to(dtype)
     z[1] = 0.0  # every column ties: index 0
-    z[2, -1] = z[2, 5] = 100.0  # the first of two maxima, in the first block and in the tail
+    z[2, -1] = z[2, 5] = 100.0  # the first of two maxima, in the first block and the last column (the tail, where there is one)
     z[3, width // 2] = z[3, width - 2] = 100.0  # two blocks hold the maximum
     z[4, 7] = z[4, 9] = 100.0  # a tie inside one block
     z[5] = float("-inf")

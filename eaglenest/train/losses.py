@@ -212,10 +212,10 @@ ROW_MAX_BLOCK = 256  # columns per block of row_max's first pass (of 256 to 4096
 
 def row_max(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """z.max(-1) of 2-D logits: (values, the index of the first maximum), the same values and indices,
-    ties included.  On the CPU in two passes: each block's maximum without indices (amax), then the
-    index inside the first block holding the row's maximum: on the CPU torch's max with indices is
-    several times slower than amax over wide rows (the teacher's full-vocabulary argmax, the draft's
-    per loss chunk).  Elsewhere torch's own.  A row holding a NaN is not supported (max would point
+    ties included.  On the CPU in two passes, each block's maximum without indices (amax), then the
+    index inside the first block holding the row's maximum: there torch's max with indices is several
+    times slower than amax over wide rows (the teacher's full-vocabulary argmax, the draft's per loss
+    chunk).  Elsewhere torch's own.  A row holding a NaN is not supported (max would point
     at the NaN; these logits feed a softmax, where it fails anyway)."""
     B = ROW_MAX_BLOCK
     V = z.shape[-1]
