@@ -268,8 +268,29 @@ def test_teacher_targets_chunked_bf16():
     # a draft vocabulary that is the whole vocabulary (Kimi's published drafts): one head, mass 1
     tf = Teacher(None, 1e-6, W, torch.arange(V), torch.ones(V, dtype=torch.bool))
     rf = tf.targets(h, chunk=9, mass=True)
-    assert tf.heads()[1] is tf.heads()[0]  # no second copy of the head
+    assert tf.heads()[1].numel() == 0 and tf.heads()[0].data_ptr() == tf.lm_head.data_ptr()  # one head, no copy
     assert torch.equal(rf.argmax, r.argmax) and torch.equal(rf.log_mass, torch.zeros(50))
+
+
+def test_teacher_argmax_ties_across_the_draft_vocabulary():
+    """The teacher computes the draft rows' logits and the other rows' apart (each logit once); its
+    argmax is still the first maximum in target order, as torch's max over the whole row, with the
+    maximum tied between a draft row and another row below or above it.  Integer values: every logit
+    is exact, whatever the matmuls' order of summation."""
+    g = torch.Generator().manual_seed(3)
+    V, H = 64, 8
+    W = torch.randint(-5, 6, (V, H), generator=g).double()
+    W[2] = W[3] = 10 * torch.eye(H, dtype=torch.float64)[0]  # 3 in the draft vocabulary, 2 (below it) not
+    W[40] = W[41] = 10 * torch.eye(H, dtype=torch.float64)[1]  # 40 in it, 41 (above it) not
+    rows = torch.tensor([3, 10, 20, 40, 50])
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[rows] = True
+    h = torch.cat([torch.eye(H, dtype=torch.float64)[:2], torch.randint(-2, 3, (30, H), generator=g).double()])
+    r = Teacher(None, 1e-6, W, rows, t2d, matmul_dtype=torch.float64).targets(h, chunk=7, mass=True)
+    z = h @ W.T
+    assert torch.equal(r.argmax, z.max(-1).indices) and r.argmax[:2].tolist() == [2, 40]
+    assert torch.equal(r.logits, z[:, rows])
+    torch.testing.assert_close(r.log_mass, torch.log_softmax(z, -1)[:, rows].logsumexp(-1).float())  # kept in fp32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward is CUDA-only)")

@@ -43,20 +43,33 @@ TEACHER_CHUNK_ELEMS = 1 << 27  # rows x full vocabulary of the teacher's transie
 
 @dataclass
 class Teacher:
-    """The target's output head restricted to the draft vocabulary (frozen)."""
+    """The target's output head restricted to the draft vocabulary (frozen).
+
+    The head's rows are held draft vocabulary first, then the other rows (`order`: the target id of
+    each held row), so the full-vocabulary pass (the argmax, the log-sum-exp) computes only the rows
+    the draft-vocabulary logits do not already give: each logit once, and no second copy of a head."""
 
     norm_weight: torch.Tensor | None  # applied iff the stored final state is pre-norm
     norm_eps: float
-    lm_head: torch.Tensor  # [V, H] full target head (for the argmax and the full-vocabulary log-sum-exp)
+    lm_head: torch.Tensor  # [V, H] the target's whole head, given in target order, held draft rows first (`order`)
     draft_rows: torch.Tensor  # [Vd] target ids of the draft vocabulary
     t2d: torch.Tensor  # [V] bool
     matmul_dtype: torch.dtype = torch.float32  # bf16 on CUDA: fp32 matmuls would cost ~2x the draft's step
     logit_softcap: float | None = None  # the target's tanh logit cap (Gemma 2; models/families.py), None for most
-    _w: dict = field(default_factory=dict, repr=False)  # cached (full, draft-rows) heads per dtype
+    order: torch.Tensor | None = None  # [V] the target id of each held row (set on construction; None: a full-vocabulary draft, held as given)
+    _w: dict = field(default_factory=dict, repr=False)  # the held head per matmul dtype
+
+    def __post_init__(self):
+        if self.order is None and not self.full_vocab:
+            rest = torch.ones(self.lm_head.shape[0], dtype=torch.bool, device=self.draft_rows.device)
+            rest[self.draft_rows] = False
+            self.order = torch.cat([self.draft_rows, rest.nonzero().squeeze(1)]).to(self.lm_head.device)
+            self.lm_head = self.lm_head.index_select(0, self.order)
 
     def to(self, device) -> "Teacher":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype, self.logit_softcap)
+        return Teacher(mv(self.norm_weight), self.norm_eps, mv(self.lm_head), mv(self.draft_rows), mv(self.t2d), self.matmul_dtype,
+                       self.logit_softcap, mv(self.order))
 
     @property
     def full_vocab(self) -> bool:
@@ -65,12 +78,13 @@ class Teacher:
         return self.draft_rows.numel() == self.lm_head.shape[0]  # draft ids are sorted by target id (draft/vocab.py)
 
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self._w.get(self.matmul_dtype)
-        if w is None:
-            W = self.lm_head.to(self.matmul_dtype)
-            # the draft rows once, not per batch; no second copy of a full-vocabulary head
-            w = self._w[self.matmul_dtype] = (W, W if self.full_vocab else W[self.draft_rows])
-        return w
+        """(the draft-vocabulary rows [Vd, H], the other rows [V - Vd, H]: empty for a full vocabulary),
+        views of the head in the matmul dtype."""
+        W = self._w.get(self.matmul_dtype)
+        if W is None:
+            W = self._w[self.matmul_dtype] = self.lm_head.to(self.matmul_dtype)
+        Vd = self.draft_rows.numel()
+        return W[:Vd], W[Vd:]
 
     @torch.no_grad()
     def targets(self, last_hidden: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None,
@@ -87,9 +101,8 @@ class Teacher:
         rows of full-vocabulary logits).  Kimi-K2.5 (V = Vd = 163,840, bf16) at N = 8192: 2.5 GiB
         kept, ~0 transient (one head matmul), where the previous fp32 probabilities kept 5 GiB and
         its 8192-row chunks added 10 GiB (bench/results/loss_memory.json)."""
-        W, Wd = self.heads()
-        V = W.shape[0]
-        chunk = chunk or max(1, TEACHER_CHUNK_ELEMS // V)
+        Wd, Wc = self.heads()
+        chunk = chunk or max(1, TEACHER_CHUNK_ELEMS // self.lm_head.shape[0])
         N, dev = last_hidden.shape[0], last_hidden.device
         full = self.full_vocab
         logits = torch.empty(N, Wd.shape[0], dtype=self.matmul_dtype, device=dev)
@@ -111,14 +124,19 @@ class Teacher:
                 cache[s : s + chunk] = torch.softmax(soft_cap(zd.to(cache.dtype), cap), dim=-1)
             if full and argmax is None:
                 arg[s : s + chunk] = self.draft_rows[row_max(zd)[1]]
-            if head_pass:
-                zf = h @ W.T
+            if head_pass:  # the rows outside the draft vocabulary; the draft rows' logits are zd
+                zc = h @ Wc.T
                 if argmax is None:  # soft-capping is monotone: the argmax of the raw logits
-                    arg[s : s + chunk] = row_max(zf)[1]
+                    md, i_d = row_max(zd)
+                    mc, i_c = row_max(zc)
+                    td, tc = self.draft_rows[i_d], self.order[Wd.shape[0] + i_c]
+                    # the first maximum in target order, as torch's max over the whole row: a tie goes to the lower id
+                    arg[s : s + chunk] = torch.where(mc > md, tc, torch.where(mc < md, td, torch.minimum(td, tc)))
                 if mass and log_mass is None:  # log S = lse(draft rows) - lse(all rows), <= 0 up to rounding
-                    lse_full = torch.logsumexp(soft_cap(zf.float(), cap), -1)
-                    del zf
-                    lm[s : s + chunk] = (torch.logsumexp(soft_cap(zd.float(), cap), -1) - lse_full).clamp_max_(0.0)
+                    lse_d = torch.logsumexp(soft_cap(zd.float(), cap), -1)
+                    lse_c = torch.logsumexp(soft_cap(zc.float(), cap), -1)
+                    del zc
+                    lm[s : s + chunk] = (lse_d - torch.logaddexp(lse_d, lse_c)).clamp_max_(0.0)
         return TeacherRows(logits, arg, lm, cap, cache)
 
 
