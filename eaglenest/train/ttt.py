@@ -62,9 +62,7 @@ class Teacher:
     def __post_init__(self):
         if self.order is None and not self.full_vocab:
             V, Vd = self.lm_head.shape[0], self.draft_rows.numel()
-            rest = torch.ones(V, dtype=torch.int8, device=self.draft_rows.device)
-            rest[self.draft_rows] = 0
-            others = torch.argsort(rest, descending=True, stable=True)[: V - Vd]  # ascending ids, no host sync (nonzero's)
+            others = torch.argsort(self.t2d.to(torch.int8), stable=True)[: V - Vd]  # ascending ids, no host sync (nonzero's)
             self.order = torch.cat([self.draft_rows, others]).to(self.lm_head.device)
             self.lm_head = self.lm_head.index_select(0, self.order)
 
