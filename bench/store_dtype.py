@@ -11,8 +11,8 @@ Variants (same prepared data; only the stored states differ):
            (K=32: int32 ids + fp16 log-probs, 192 B/token), i.e. the teacher itself.  Not a store
            dtype: its bytes/token are those of the layout, computed (the K ids and log-probs are
            packed into the first 4K columns of a stored final state to check the layout round-trips).
-What each costs in tau is bench/store_outliers.py's (a draft trained on each store, decoded); the
-training, decoding and MT-bench proxy arms this script once had are in git history.
+What the fp8 store costs in tau was measured by the retired probe store_outliers (docs/benchmarks.md,
+*Retired probes*); its script and results are in git history.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ SHAPES = {
 }
 
 
-# --- the FLOP model (see bench/NOTES.md) -----------------------------------------------------
+# --- the FLOP model -------------------------------------------------------------------
 def model_flops_per_token(shape: str, T: int, ttt: int) -> float:
     """Model FLOPs of one step per token (fwd + bwd, no recompute, logits over every position):
     fc 4P (no input grad), per TTT step 6 (P_layer + P_lm_head) + causal attention 6 T nh hd,
@@ -239,77 +239,6 @@ def build_specforge(shape, T, ttt, device, inp, attn_backend="flex_attention"):
         return float(loss.detach())
 
     return step
-
-
-def saved_bytes(a) -> dict:
-    """Autograd-saved bytes per token per TTT step of our loss (bf16 parameters and autocast, the fused head),
-    measured with saved_tensors_hooks (storages counted once, parameters and their bf16 casts
-    excluded by differencing): S(T, k) at two lengths and two TTT depths ->
-    per token per step = [(S(T2,k2) - S(T1,k2)) - (S(T2,k1) - S(T1,k1))] / (T2 - T1) / (k2 - k1)."""
-    import torch
-
-    from eaglenest.train.compaction import ROW_BUCKET
-    from eaglenest.train.precision import MasterWeights
-    from eaglenest.train.ttt import denominators, ttt_forward
-
-    # whole row buckets (train/compaction.py ROW_BUCKET): a step's rows are rounded up to one, so lengths
-    # inside one bucket would measure the same rows twice
-    T1, T2, k1, k2 = 2 * ROW_BUCKET, 4 * ROW_BUCKET, 1, 3
-    inp = make_inputs(a.shape, T2, "cpu")
-    s = SHAPES[a.shape]
-    out = {}
-    for rec in (False, True):
-        S = {}
-        for T in (T1, T2):
-            for k in (k1, k2):
-                step_inp = {**inp, "input_ids": inp["input_ids"][:, :T], "loss_mask": torch.ones(1, T, dtype=torch.long),
-                            "aux": inp["aux"][:, :T]}  # bf16, as the objective passes it under autocast
-                if a.shape not in _SAVED_MODEL:  # bf16 parameters with fp32 masters, as the trainer runs under bf16
-                    _SAVED_MODEL[a.shape] = _bare_model(a.shape, inp)
-                    MasterWeights(_SAVED_MODEL[a.shape])
-                model = _SAVED_MODEL[a.shape]
-                seen = {}
-
-                def pack(t):
-                    st = t.untyped_storage()
-                    seen[st.data_ptr()] = st.nbytes()
-                    return t
-
-                from eaglenest.train.losses import TeacherRows
-
-                tl = TeacherRows(torch.log_softmax(torch.randn(T, s["Vd"]), -1), torch.zeros(T, dtype=torch.long))
-                m = step_inp["loss_mask"]
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-                    ttt_forward(model, step_inp["input_ids"], step_inp["aux"], tl, m, k, denominators(m, k),
-                                chunk=16, attn_impl="chunked", recompute=rec)
-                S[(T, k)] = sum(v for p, v in seen.items() if p != tl.logits.untyped_storage().data_ptr())
-        per = ((S[(T2, k2)] - S[(T1, k2)]) - (S[(T2, k1)] - S[(T1, k1)])) / (T2 - T1) / (k2 - k1)
-        fixed = (S[(T2, k1)] - S[(T1, k1)]) / (T2 - T1) - per  # per token, outside the TTT steps (fc, inputs)
-        out["layer_recompute" if rec else "no_recompute"] = {"bytes_per_token_per_step": round(per), "bytes_per_token_fixed": round(fixed)}
-    from eaglenest.train.trainer import estimate_activation_bytes
-
-    out["model_no_recompute"] = estimate_activation_bytes(model.cfg, 1, 1)  # what `--recompute auto` assumes
-    return out
-
-
-_SAVED_MODEL: dict = {}
-
-
-def _bare_model(shape, inp):
-    import torch
-
-    from eaglenest.draft.model import Eagle3Config, Eagle3Draft
-
-    s = SHAPES[shape]
-    cfg = Eagle3Config(
-        hidden_size=s["H"], intermediate_size=s["I"], num_attention_heads=s["nh"], num_key_value_heads=s["nkv"],
-        head_dim=s["hd"], vocab_size=s["V"], draft_vocab_size=s["Vd"], target_hidden_size=s["H"],
-        aux_layer_ids=[1, 2, 3], target_num_layers=32, rope_parameters={"rope_type": "default", "rope_theta": s["theta"]},
-    )
-    torch.manual_seed(0)
-    m = Eagle3Draft(cfg, embed_weight=inp["embed"].float())
-    m.set_vocab(inp["d2t"], inp["t2d"])
-    return m
 
 
 def rss_gib() -> float:
@@ -741,7 +670,6 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_BUDGET_S", 0)) or None,
                     help="seconds for this whole invocation (default $BENCH_BUDGET_S): child timeouts shrink to fit")
     ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--saved-bytes", action="store_true", help="only measure autograd-saved bytes per token per TTT step (CPU) and print them")
     ap.add_argument("--name", default=None, help="result file stem (default train_step_<device>_<shape>_<seq>)")
     # worker-only
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -759,9 +687,6 @@ def main() -> None:
     if not a.logits_chunk:
         a.logits_chunk = 4096 if cuda else 1024
 
-    if a.saved_bytes:
-        print(json.dumps({"shape": a.shape, **saved_bytes(a)}))
-        return
     if a.worker:
         if a.threads:
             import torch

@@ -28,9 +28,10 @@ PRESETS = {
         # conversations overfit), so: small batches (1024 tokens), as many conversations as the
         # budget holds (1,500), 2 epochs.
         # Affordable because training runs under bf16 autocast where the CPU has bf16 matrix
-        # instructions (AMX/AVX512-BF16; bench/results/train_cpu_dtype.json), its TTT attention then in torch's
+        # instructions (AMX/AVX512-BF16; git show afe579c:bench/results/train_cpu_dtype.json), its TTT attention then in torch's
         # fused flash kernel (git show 0c8d13e:bench/results/train_attn_cpu.json), and the eval decodes in
-        # 2 processes (git show 0c8d13e:bench/results/eval_workers_cpu.json) through the gemv kernel (bench/results/eval_gemv_cpu.json).
+        # 2 processes (git show 0c8d13e:bench/results/eval_workers_cpu.json) through the gemv kernel
+        # (git show afe579c:bench/results/eval_gemv_cpu.json).
         "samples": 1500,
         "max_length": 512,
         "ttt_steps": 3,
@@ -165,7 +166,7 @@ def _run(cfg, args) -> int:
 
 
 def eval_argv(P: dict, model: str, draft, report, device: str) -> list[str]:
-    """The demo's `eaglenest eval` (also what bench/eval_gemv.py times)."""
+    """The demo's `eaglenest eval`."""
     return [
         "eval", "--model", model, "--draft", str(draft), "--out", str(report), "--bench", "mtbench",
         "--limit", str(P["eval_limit"]), "--steps", "3", "--topk", "1", "--temperature", "0",

@@ -79,7 +79,7 @@ def test_fp8_codec_is_exact_in_bf16_and_within_e4m3_precision(block):
 
 def test_fp8_block_scales_keep_the_small_channels_of_massive_activations():
     """Real targets' massive activations: a few fixed channels 10^3-10^4 times the rest (Qwen2.5's
-    reach ~10^4, bench/results/store_outliers.json).  One scale per (token, layer) flushes or
+    reach ~10^4, git show afe579c:bench/results/store_outliers.json).  One scale per (token, layer) flushes or
     coarsens every small channel of the token; one per 128 values costs only the outliers' blocks."""
     g = torch.Generator().manual_seed(1)
     H, T = 512, 256

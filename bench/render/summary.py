@@ -3,7 +3,7 @@ docs/benchmarks.md).  A row: a function of the parsed files returning (what, res
 
 from __future__ import annotations
 
-from _fmt import cpu, seq
+from _fmt import cpu
 
 
 def tau(r):
@@ -28,33 +28,11 @@ def sglang(r):
             f"SmolLM2 {r['dtype']}, {r['samples']} ShareGPT samples")
 
 
-def exact(r):
-    d, n = r["decoding"], r["texts_compared"]
-    return ("Speculative == plain greedy output in `eval` on a CPU",
-            f"{d['probe']['same_as_plain']} of {n} prompts with the probed setting ({d['model']['same_as_plain']} of {n} "
-            f"with the model's own attention)",
-            f"{r['prompts']} MT-bench prompts × {r['max_new_tokens']} tokens, SmolLM2 bf16, {cpu(r)}")
-
-
-def fp8(d, o):
-    x = o["variants"]["fp8-block128"]
-    t = x["tau_minus_bf16"]
-    return ("fp8 feature store (one scale per block) vs bf16",
-            f"{d['variants']['fp8']['bytes_on_disk_per_token'] / d['variants']['bf16']['bytes_on_disk_per_token']:.2f}x "
-            f"the bytes; τ {t['pct']:+.2f} % ({t['ci95_pct'][0]:+.2f} … {t['ci95_pct'][1]:+.2f} %, 95 % interval)",
-            f"bytes: SmolLM2; τ: a draft for Qwen2.5-Coder-0.5B trained on each store, {x['n_prompts']} MT-bench first turns")
-
-
-def bf16(r):
-    return ("CPU training step, bf16 autocast vs fp32",
-            f"{r['bf16_speedup']['first_epoch']:.2f}x the tokens/s",
-            f"the demo recipe, {r['steps_per_phase']} steps, {cpu(r)} (bf16 matrix instructions)")
-
-
-def gemv(r):
-    return ("`eval` with eaglenest's gemv kernel vs torch's linears",
-            f"{seq(r['kernel_over_torch_eval_s'])} of the time, round by round",
-            f"the demo's eval stage, {r['prompts']} MT-bench first turns, {cpu(r)}")
+def fp8(d):
+    v = d["variants"]
+    return ("fp8 feature store (one scale per block of at most 128 values) vs bf16",
+            f"{v['fp8']['bytes_on_disk_per_token'] / v['bf16']['bytes_on_disk_per_token']:.2f}x the bytes on disk",
+            "SmolLM2; what it costs in τ: `docs/benchmarks.md`, *Retired probes* (`store_outliers`)")
 
 
 def online(r):
@@ -88,11 +66,8 @@ ROWS = [
     (["losses.json"], tau),
     (["vllm_agreement_t1_demo.json"], vllm),
     (["sglang_live.json"], sglang),
-    (["verification_cpu.json"], exact),
-    (["store_dtype.json", "store_outliers.json"], fp8),
-    (["train_cpu_dtype.json"], bf16),
+    (["store_dtype.json"], fp8),
     (["train_step_ab_demo_amx.json", "train_step_ab_demo_avx512-bf16.json"], train_ab),
-    (["eval_gemv_cpu.json"], gemv),
     (["online.json"], online),
     (["regen_recipe.json"], regen),
 ]

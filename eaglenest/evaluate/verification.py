@@ -23,7 +23,7 @@ verification forward is made exact where it is not:
   0. linears ("kernel", where the CPU has AVX512-BF16 or AVX2 + FMA and a C compiler exists): every
      bf16 Linear runs forwards of 1..k rows in eaglenest's own matrix-vector kernel, row-invariant
      by construction and faster than torch's bf16 F.linear for these row counts
-     (bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel.  Longer
+     (git show afe579c:bench/results/eval_gemv_cpu.json); the probes below then check it like any kernel.  Longer
      forwards (prompt prefills, shared by both decoders) stay in a GEMM (rowwise/linears.py
      `prefill_gemm`);
   1. attention ("rowwise"): each query row of a verification forward is its own single-query

@@ -41,7 +41,8 @@ layers), 1 int8 exponent per 128 codes = 0.8 % more bytes.  One scale per (token
 hidden size, what fp8 stores held before this field existed (they have no `fp8_block`, and read as
 that) -- flushes every value below ~absmax * 2**-14 to zero, and targets with massive activations
 (a few channels 10^3-10^4 times the rest) lose most of a layer's channels on the tokens that carry
-them: measured in bench/results/store_outliers.json.
+them: measured by the retired probe store_outliers
+(git show afe579c:bench/results/store_outliers.json).
 """
 
 from __future__ import annotations

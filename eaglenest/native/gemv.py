@@ -2,7 +2,7 @@
 
 Why: batch-1 decoding of a small target is bound by its Linear layers reading their weights, and
 torch's bf16 `F.linear` (oneDNN) reads them well under what one core can stream, for one row
-especially (bench/results/eval_gemv_cpu.json).  Its batched calls are not promised to be
+especially (git show afe579c:bench/results/eval_gemv_cpu.json).  Its batched calls are not promised to be
 row-invariant either (evaluate/verification.py).  This kernel is both: every output y[m, n] is the
 same sequence of `vdpbf16ps` over K (32 products per instruction, 16 fp32 lanes), the same fixed
 reduction of the lanes, plus the bias, rounded once to bf16 -- whatever the number of rows M or

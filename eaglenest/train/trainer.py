@@ -81,8 +81,8 @@ def has_loss_positions(b: Batch) -> bool:
 
 def estimate_activation_bytes(cfg: DraftConfig, tokens: int, ttt: int) -> int:
     """Autograd-saved bytes of `tokens` tokens over `ttt` steps WITHOUT recompute, bf16 parameters and
-    autocast: 30 H + 8 I + 512 bytes per token per step, a little above what `bench/train_step.py
-    --saved-bytes` measures (the MLP's four bf16 [I] tensors; the rest the layer's hidden-sized ones;
+    autocast: 30 H + 8 I + 512 bytes per token per step, a little above what autograd saves
+    (the MLP's four bf16 [I] tensors; the rest the layer's hidden-sized ones;
     238 KB at the Llama-3.1-8B shape, 1.7 MB per token over 7 steps).  tests/test_fastpath.py holds
     it between the saved bytes and 1.2x them."""
     H, I = cfg.hidden_size, cfg.intermediate_size

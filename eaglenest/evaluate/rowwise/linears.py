@@ -22,7 +22,8 @@ from eaglenest.native import gemv
 LINEAR_CHOICES = ("auto", "kernel", "torch")
 # `--linears auto` takes the gemv kernel for verifications of at most this many rows, per CPU kind
 # (utils.cpu_kind): where it stops beating torch's batched kernels, which on AMX run on its tiles
-# (bench/results/gemv_rows_cpu_<kind>.json; amx's from a dirty tree: git show 8881492:bench/results/gemv_rows_cpu.json)
+# (the retired probe gemv_rows: git show afe579c:bench/results/gemv_rows_cpu_<kind>.json; amx's from a dirty tree:
+# git show 8881492:bench/results/gemv_rows_cpu.json)
 GEMV_AUTO_MAX_ROWS = {"amx": 8, "avx512-bf16": 16, "avx2": 64}
 
 
@@ -82,7 +83,7 @@ def install_gemv(model, max_rows: int, linears: str) -> dict:
         why = gemv.load()[1]
         if not why and linears == "auto" and max_rows > (limit := auto_max_rows()):
             why = (f"verification of {max_rows} rows: above {limit} the kernel's work grows with the rows and torch's "
-                   f"batched kernels are faster here (bench/results/gemv_rows_cpu*.json); --linears kernel forces it")
+                   f"batched kernels are faster here (docs/cpu.md); --linears kernel forces it")
     if why:
         if linears == "kernel":
             raise EaglenestError(f"--linears kernel: the gemv kernel cannot run here ({why})")
