@@ -325,7 +325,7 @@ def test_teacher_argmax_ties_across_the_draft_vocabulary():
     assert torch.equal(r.argmax, z.max(-1).indices) and r.argmax[:2].tolist() == [2, 40]
     assert torch.equal(r.logits, z[:, rows])
     torch.testing.assert_close(r.log_mass, torch.log_softmax(z, -1)[:, rows].logsumexp(-1).float())  # kept in fp32
-    # built on the meta device too (bench/loss_memory.py counts bytes there): no data-dependent op
+    # built on the meta device too (tests/test_losses.py counts bytes there): no data-dependent op
     assert Teacher(None, 1e-6, W.to("meta"), rows.to("meta"), t2d.to("meta")).lm_head.shape == (V, H)
 
 

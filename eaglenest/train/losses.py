@@ -70,8 +70,8 @@ def loss_step_bytes(N: int, V: int, Vd: int, H: int, c: int, ct: int, mass: bool
     """Upper bound of the tensor bytes of the teacher + the fused head and loss under bf16
     (Teacher.targets of N positions, then `head_loss` over N rows in c-row chunks, forward and
     backward), ct = TEACHER_CHUNK_ELEMS // V teacher rows, `mass` = the log-sum-exp is computed,
-    `alpha_loss` = tv/nla/lk_hybrid in the mix.  Measured op by op on the meta device by
-    bench/loss_memory.py (bench/results/loss_memory.json; tests/test_losses.py checks the bound):
+    `alpha_loss` = tv/nla/lk_hybrid in the mix.  Counted op by op on the meta device,
+    tests/test_losses.py checks the bound:
       kept by the teacher   N (2 Vd + 8 + 4 mass)              bf16 logits, argmax, log-mass
                             + 4 N Vd if that is <= PROBS_CACHE_BYTES (the p^ cache)
       teacher's transient   ct (V (4 + 2 mass) + 4 Vd mass)    0 when Vd = V (one head matmul)

@@ -5,7 +5,7 @@ where nothing is allocated: a 163,840-token vocabulary at 8K tokens costs nothin
 to the death of the last tensor that holds it (autograd's saved tensors included: a tensor's Python
 object lives as long as its C++ tensor), and the peak of the live sum is kept.  Tensors that exist
 before the mode (weights, inputs) and views of them are not counted.  What is measured: tensor
-storages; not the allocator's caching or fragmentation (bench/loss_memory.py)."""
+storages; not the allocator's caching or fragmentation (tests/test_losses.py)."""
 
 from __future__ import annotations
 

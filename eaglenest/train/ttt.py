@@ -100,7 +100,8 @@ class Teacher:
         the p^ cache only while that is at most PROBS_CACHE_BYTES; transient: TEACHER_CHUNK_ELEMS // V
         rows of full-vocabulary logits).  Kimi-K2.5 (V = Vd = 163,840, bf16) at N = 8192: 2.5 GiB
         kept, ~0 transient (one head matmul), where the previous fp32 probabilities kept 5 GiB and
-        its 8192-row chunks added 10 GiB (bench/results/loss_memory.json)."""
+        its 8192-row chunks added 10 GiB (the retired probe loss_memory:
+        git show afe579c:bench/results/loss_memory.json)."""
         Wd, Wc = self.heads()
         chunk = chunk or max(1, TEACHER_CHUNK_ELEMS // self.lm_head.shape[0])
         N, dev = last_hidden.shape[0], last_hidden.device
