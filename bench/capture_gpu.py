@@ -3,14 +3,11 @@
     python bench/capture_gpu.py [--shape llama8b] [--samples 48] [--min-len 512] [--max-len 2048]
                                 [--batch-tokens 16384] [--repeats 2] [--results-dir DIR]
 
-Same padded batches (lengths drawn uniformly, planned like `eaglenest capture`), three ways:
+Same padded batches (lengths drawn uniformly, planned like `eaglenest capture`), two ways:
   plain    the target's base model forward, nothing kept (the ceiling);
   capture  the product: HFEngine.capture_async driven as `eaglenest capture` drives it (batch i+1
            started before batch i is read): forward pre-hooks on the three aux layers + the final
-           state, copied on a side stream into two reused pinned buffers, per-sample tensors;
-  overlap  the reference this design came from: the same overlap written out here with fresh
-           pinned buffers per batch (a CUDA event per batch; the host waits for batch i only
-           after batch i+1 was queued).
+           state, copied on a side stream into two reused pinned buffers, per-sample tensors.
 Tokens/s over the best of --repeats passes after one warm-up pass.  The store write (disk) is
 not included: it runs in `eaglenest capture` and depends on the disk, not the GPU.
 Result: "kind": "capture" in bench/results/capture_gpu_<shape>.json.
@@ -118,46 +115,7 @@ def main() -> None:
         sync()
         assert kept == n_tok
 
-    @torch.inference_mode()
-    def overlap():
-        copy_stream = torch.cuda.Stream() if cuda else None
-        pending, kept = None, 0
-
-        def consume(p):
-            nonlocal kept
-            aux_h, last_h, done, b = p
-            if done is not None:
-                done.synchronize()
-            for j, s in enumerate(b):  # per-sample views, as the store writer would take them
-                kept += aux_h[j, : len(s)].shape[0] + 0 * last_h[j, : len(s)].shape[0]
-
-        for b in batches:
-            aux, last = engine.forward_states(b)
-            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=cuda)
-            last_h = torch.empty(last.shape, dtype=last.dtype, pin_memory=cuda)
-            done = None
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-                with torch.cuda.stream(copy_stream):
-                    copy_stream.wait_event(ready)
-                    aux_h.copy_(aux, non_blocking=True)
-                    last_h.copy_(last, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(copy_stream)
-                aux.record_stream(copy_stream)  # the allocator must not hand these to the next prefill early
-                last.record_stream(copy_stream)
-            else:
-                aux_h.copy_(aux)
-                last_h.copy_(last)
-            if pending is not None:
-                consume(pending)  # batch i-1's copy overlapped batch i's prefill
-            pending = (aux_h, last_h, done, b)
-        consume(pending)
-        sync()
-        assert kept == n_tok
-
-    runs = {"plain": plain, "capture": capture, "overlap": overlap}
+    runs = {"plain": plain, "capture": capture}
     for f in runs.values():  # warm-up: allocator, pinned host cache, kernels
         f()
     times = {k: [] for k in runs}
@@ -180,17 +138,14 @@ def main() -> None:
         "batch_tokens": a.batch_tokens,
         "plain_forward_tokens_per_s": round(tps["plain"], 1),
         "capture_tokens_per_s": round(tps["capture"], 1),
-        "overlap_capture_tokens_per_s": round(tps["overlap"], 1),
         "ratio": round(tps["capture"] / tps["plain"], 3),
-        "overlap_ratio": round(tps["overlap"] / tps["plain"], 3),
         "goal": ">= 0.9x plain",  # the naive capture's rate was never recorded in a result file
         "timings_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "setup_s": round(setup_s, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
     }
     common.write_result(f"capture_{'gpu' if cuda else 'cpu'}_{a.shape}", res)
-    print(f"plain {tps['plain']:.0f} tok/s, capture {tps['capture']:.0f} ({res['ratio']:.2f}x), "
-          f"overlap {tps['overlap']:.0f} ({res['overlap_ratio']:.2f}x)")
+    print(f"plain {tps['plain']:.0f} tok/s, capture {tps['capture']:.0f} ({res['ratio']:.2f}x)")
 
 
 if __name__ == "__main__":

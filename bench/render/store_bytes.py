@@ -10,7 +10,6 @@ KEPT = {
     "bf16": ("bf16", "aux + final state in bf16"),
     "fp8": ("**fp8**", "aux + final state in e4m3"),
     "fp8-aux": ("fp8-aux", "aux in e4m3, final state (it feeds the teacher's logits) bf16"),
-    "topk": ("top-32 teacher (measured, not a store dtype)", "aux in e4m3, the target's top-32 ids + log-probs instead of the final state"),
 }
 
 
@@ -22,8 +21,8 @@ def render(results: dict[str, dict]) -> str:
              f"| bytes/token Kimi-K2.5 shape (H 7168; GiB for {SEED_TOKENS / 1e6:.1f}M tokens) |", "|---|---|---|---|"]
     for v, (name, kept) in KEPT.items():
         x = V[v]
-        smol = x["bytes_on_disk_per_token"] if v != "topk" else x["bytes_per_token"]  # topk: the layout, computed
-        rel = "" if v == "bf16" else f" ({smol / base['bytes_on_disk_per_token']:.2f}x{', computed' if v == 'topk' else ''})"
+        smol = x["bytes_on_disk_per_token"]
+        rel = "" if v == "bf16" else f" ({smol / base['bytes_on_disk_per_token']:.2f}x)"
         k = kimi[v]
         krel = "" if v == "bf16" else f"{k / kimi['bf16']:.2f}x, "
         lines.append(f"| {name} | {kept} | {num(smol)}{rel} | {num(k)} ({krel}{k * SEED_TOKENS / 2**30:,.0f} GiB) |")

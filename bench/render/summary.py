@@ -35,13 +35,6 @@ def fp8(d):
             "SmolLM2; what it costs in τ: `docs/benchmarks.md`, *Retired probes* (`store_outliers`)")
 
 
-def online(r):
-    s = r["summary"]
-    return ("Online training (no feature store) vs capture + train",
-            f"τ {s['tau']['online']:.3f} vs {s['tau']['offline']:.3f}; {s['wall_online_over_offline']:.2f}x the wall time",
-            f"the demo recipe on {r['recipe']['samples']} conversations, {r['recipe']['eval']['limit']} MT-bench questions, {cpu(r)}")
-
-
 def train_ab(*rs):
     each = [(r["cpu_kind"], r["summary"]) for r in rs]
     return ("CPU training step vs the trainer before row compaction, the fused head + loss and bf16 parameters",
@@ -68,7 +61,6 @@ ROWS = [
     (["sglang_live.json"], sglang),
     (["store_dtype.json"], fp8),
     (["train_step_ab_demo_amx.json", "train_step_ab_demo_avx512-bf16.json"], train_ab),
-    (["online.json"], online),
     (["regen_recipe.json"], regen),
 ]
 FILES = [f for files, _ in ROWS for f in files]
