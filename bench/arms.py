@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from common import cpu_seconds  # noqa: E402  (bench/common.py)
 
 
 def work_root(preset: str = "full") -> Path:
@@ -40,12 +41,6 @@ def _cli(argv: list[str]) -> None:
     rc = main(argv)
     if rc != 0:
         raise SystemExit(f"`eaglenest {' '.join(argv)}` exited with {rc}")
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
 
 def model_path() -> str:
@@ -110,9 +105,9 @@ def train_arm(name: str, extra: list[str], preset: str = "full", features: str |
     d.mkdir(parents=True, exist_ok=True)
     t_path = d / "timing.json"
     prev = json.loads(t_path.read_text()) if t_path.exists() else {"wall_s": 0.0, "cpu_s": 0.0, "pieces": 0}
-    t0, c0 = time.time(), _cpu_s()
+    t0, c0 = time.time(), cpu_seconds()
     _cli(argv)
-    t = {"wall_s": prev["wall_s"] + time.time() - t0, "cpu_s": prev["cpu_s"] + _cpu_s() - c0, "pieces": prev["pieces"] + 1,
+    t = {"wall_s": prev["wall_s"] + time.time() - t0, "cpu_s": prev["cpu_s"] + cpu_seconds() - c0, "pieces": prev["pieces"] + 1,
          "argv": argv}
     t_path.write_text(json.dumps(t, indent=2) + "\n")
     return run

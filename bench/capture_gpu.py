@@ -24,22 +24,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-SHAPES = {
-    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=1000, rope_theta=10000.0),
-}
+from train_step import SHAPES  # noqa: E402  (one home for the benchmark shapes: hidden, heads, vocabulary, ...)
+
+LAYERS = {"llama8b": 32, "tiny": 8}  # the target's depth (the training step's shapes are the draft's)
 
 
 def random_target(shape: str, device: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = dict(SHAPES[shape])
-    theta = s.pop("rope_theta")
-    cfg = LlamaConfig(**s, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    s = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=s["H"], intermediate_size=s["I"], num_hidden_layers=LAYERS[shape], num_attention_heads=s["nh"],
+                      num_key_value_heads=s["nkv"], head_dim=s["hd"], vocab_size=s["V"], max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": s["theta"]})
     dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
     old = torch.get_default_dtype()
     torch.set_default_dtype(dt)
@@ -60,7 +57,7 @@ def random_target(shape: str, device: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama8b", choices=sorted(LAYERS))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--min-len", type=int, default=512)
@@ -129,7 +126,7 @@ def main() -> None:
         "kind": "capture",
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "shape": a.shape,
-        "target": "random-init LlamaForCausalLM, " + ", ".join(f"{k}={v}" for k, v in SHAPES[a.shape].items()),
+        "target": f"random-init LlamaForCausalLM, {LAYERS[a.shape]} layers, " + ", ".join(f"{k}={v}" for k, v in SHAPES[a.shape].items()),
         "dtype": "bf16" if cuda else "fp32",
         "layer_ids": engine.layer_ids,
         "samples": a.samples,

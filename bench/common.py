@@ -20,6 +20,13 @@ def machine() -> dict:
     return machine_info()
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its finished children (workers, subprocesses)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def git_state() -> dict:
     """The commit the benchmark ran at and whether the tree had uncommitted changes (a result from a
     dirty tree cannot be reproduced from its commit alone).  Untracked files count (a script not yet

@@ -45,7 +45,6 @@ DFLASH_LAYERS = 5  # target layers spread over the depth (the DFlash recipe's de
 ARMS = {
     "eagle3": [],
     "dflash-b16": ["--draft-kind", "dflash", "--block-size", "16", "--draft-layers", "2", "--dflash-anchors", "32"],
-    "dflash-b8": ["--draft-kind", "dflash", "--block-size", "8", "--draft-layers", "2", "--dflash-anchors", "32"],
 }
 START_DATA = dict(max_length=512, limit=400)  # the ShareGPT slice `recipe` prepares (the training-step A/B's demo recipe data)
 PROBE_STEPS = 12  # steps of a DFlash arm timed to size it to eagle3's wall time

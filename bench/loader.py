@@ -40,6 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import common  # noqa: E402  (bench/common.py)
+
 HIDDEN = 7168
 
 
@@ -156,7 +158,7 @@ def run_loader(root: Path, workers: int, batch_tokens: int, seed: int, read_gb: 
                                      pin_memory=pin, prefetch_factor=2 if workers else None)
     tokens, n_batches, pinned_ok = 0, 0, True
     load0 = os.getloadavg()
-    cpu0 = _cpu_s()
+    cpu0 = common.cpu_seconds()
     t0 = time.perf_counter()
     for b in dl:
         tokens += b["n_tokens"]
@@ -164,19 +166,12 @@ def run_loader(root: Path, workers: int, batch_tokens: int, seed: int, read_gb: 
         pinned_ok &= (not pin) or b["aux"].is_pinned()
     dt = time.perf_counter() - t0
     del dl  # joins the workers, so their CPU time is counted below
-    cpu = _cpu_s() - cpu0
+    cpu = common.cpu_seconds() - cpu0
     gb = tokens * per_tok / 1e9
     return {"workers": workers, "batches": n_batches, "tokens": tokens, "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt, 1), "loader_mb_per_s": round(tokens * per_tok / dt / 1e6, 1),
             "cpu_s": round(cpu, 2), "cpu_s_per_gb": round(cpu / gb, 3),
             "pinned": pin and pinned_ok, "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
-
-
-def _cpu_s() -> float:
-    """CPU seconds (user + system) of this process and its finished children (the workers)."""
-    import resource
-
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def main() -> None:
@@ -201,7 +196,6 @@ def main() -> None:
         print(json.dumps(run_loader(Path(a.child), a.workers[0], a.batch_tokens, a.seed, a.read_gb)))
         return
 
-    import common
     from eaglenest.features.store import bytes_per_token
 
     if a.results_dir:

@@ -1,18 +1,14 @@
 """Training losses side by side on the demo's recipe (issue 24.4): ce vs lk_hybrid vs nla (vs tv),
 one run each, the same data, steps and seed (bench/arms.py), each decoded on all 80 MT-bench first
 turns at temperature 0 and 1 (3 steps, topk 1, 128 tokens; at temperature 1 the draft's tokens are
-sampled and verified with min(1, p/q)), with the tau the training log predicted beside the decoded.
-
-Predicted tau, two ways, per arm: from the held-out ShareGPT split at the end of training
-(`final.json`: accept at T0 = argmax agreement, at T1 = alpha), and on an MT-bench proxy: the 80
-prompts followed by the target's own answers -- greedy (the T0 decode of arm `l-ce`: greedy output
-equals plain greedy) for T0, sampled (its T1 decode: lossless, so these are target samples) for
-T1 -- captured like training data and scored teacher-forced (`proxy_eval` below).
+sampled and verified with min(1, p/q)), with the tau the training log predicted beside the decoded:
+from the held-out ShareGPT split at the end of training (`final.json`: accept at T0 = argmax
+agreement, at T1 = alpha).  A teacher-forced MT-bench proxy scored beside it is a retired probe
+(docs/benchmarks.md; git show afe579c:bench/losses.py).
 
 Run as resumable pieces (each under /work/team/heavy, logs beside the arms):
     python bench/losses.py train l-ce          # one arm's training (skipped when done)
     python bench/losses.py eval l-ce           # its two decodes (each skipped when done)
-    python bench/losses.py proxy               # the MT-bench proxies, from l-ce's decodes
     python bench/losses.py report              # -> bench/results/losses.json
 Work directory: $EAGLENEST_BENCH_WORK (the team's shared demo store: /work/scratch/shared).
 """
@@ -52,88 +48,6 @@ def evaluate(name: str) -> None:
         print(f"{name} T={t:g}: tau {r['tau']:.3f}, accept per position {r['accept_per_position']}", file=sys.stderr)
 
 
-def proxy_dirs() -> dict[float, Path]:
-    from arms import work_root
-
-    return {t: work_root(PRESET) / "losses-proxy" / f"t{t:g}" for t in TEMPERATURES}
-
-
-def build_proxy(report: Path, out: Path) -> None:
-    """An MT-bench proxy store: the prompt ids exactly as the evaluator builds them + the target's output
-    ids from a decode's report, as tokenized rows (loss on the answers); then the ordinary prepare and capture."""
-    from transformers import AutoTokenizer
-
-    from eaglenest.cli import main
-    from eaglenest.evaluate.mtbench import load_mtbench
-    from eaglenest.evaluate.run import chat_prompt_ids
-    from eaglenest.models.fetch import fetch
-
-    model = str(fetch("smollm2"))
-    tok = AutoTokenizer.from_pretrained(model)
-    questions = {p.id: p for p in load_mtbench()}
-    out.mkdir(parents=True, exist_ok=True)
-    rows = out / "rows.jsonl"
-    with rows.open("w") as f:
-        for r in json.loads(report.read_text())["per_prompt"]:
-            if r["turn"] != 1:
-                continue
-            ids = chat_prompt_ids(tok, [{"role": "user", "content": questions[r["id"]].turns[0]}])
-            f.write(json.dumps({"id": f"mt{r['id']}", "input_ids": ids + r["output_ids"],
-                                "loss_mask": [0] * len(ids) + [1] * len(r["output_ids"])}) + "\n")
-    main(["prepare", "--model", model, "--data", str(rows), "--out", str(out / "data")])
-    main(["capture", "--model", model, "--data", str(out / "data"), "--out", str(out / "features")])
-
-
-def proxy() -> None:
-    """The MT-bench proxies from l-ce's decodes (the prompts + the target's own answers)."""
-    from arms import eval_report
-
-    for t, d in proxy_dirs().items():
-        if not (d / "features" / "store.json").exists():
-            build_proxy(Path(eval_report("l-ce", t, PRESET)), d)
-
-
-def score_on_proxy(run: Path, proxy_features: Path, tmp: Path) -> dict:
-    """The held-out evaluation (Trainer.evaluate: accuracy, alpha, predicted tau) of RUN's final
-    checkpoint over every sample of a proxy store; `n_samples` added."""
-    import shutil
-
-    import torch
-
-    from eaglenest.train.data import Schedule
-    from eaglenest.train.trainer import Trainer, TrainConfig
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "checkpoints").mkdir(parents=True)
-    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
-    shutil.copy(run / "vocab.safetensors", tmp)
-    shutil.copy(run / "checkpoints" / "latest.json", tmp / "checkpoints")
-    shutil.copytree(run / "checkpoints" / latest["dir"], tmp / "checkpoints" / latest["dir"])
-    c = json.loads((run / "config.json").read_text())["train"]
-    # resume = the run's vocabulary and weights; its optimizer state is not needed
-    torch.optim.AdamW.load_state_dict = lambda self, sd: None
-    torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, sd: None
-    tr = Trainer(TrainConfig(model=c["model"], features=str(proxy_features), out=str(tmp), ttt_steps=c["ttt_steps"],
-                             draft_vocab=c["draft_vocab"], eval_fraction=0.5, dtype=c["dtype"], resume=True,
-                             serve_steps=c.get("serve_steps", 3)))
-    st = tr.store
-    tr.eval_batches = Schedule(st.lengths(), list(range(len(st))), 1024, 1, 0, 2048).batches  # every proxy sample
-    ev = tr.evaluate()
-    shutil.rmtree(tmp, ignore_errors=True)
-    return {**ev, "n_samples": len(st)}
-
-
-def proxy_eval(name: str, t: float) -> dict:
-    """The arm's final checkpoint scored teacher-forced on the proxy at temperature t (cached)."""
-    from arms import arm_dir
-
-    out = arm_dir(name, PRESET) / f"proxy-t{t:g}.json"
-    if not out.exists():
-        ev = score_on_proxy(arm_dir(name, PRESET) / "run", proxy_dirs()[t] / "features", arm_dir(name, PRESET) / "_proxy")
-        out.write_text(json.dumps(ev, indent=2) + "\n")
-    return json.loads(out.read_text())
-
-
 def _r(x, n=4):
     return None if x is None else (round(x, n) if isinstance(x, float) else [round(v, n) for v in x])
 
@@ -150,18 +64,13 @@ def report(names: list[str]) -> None:
         decodes[name] = {t: json.loads(eval_report(name, t, PRESET).read_text()) for t in TEMPERATURES}
         for t in TEMPERATURES:
             r = decodes[name][t]
-            px = proxy_eval(name, t)
             key = "t0" if t == 0 else "t1"
             pred_held = ev["tau_t0"] if t == 0 else ev["tau_t1"]
-            pred_proxy = px["tau_t0"] if t == 0 else px["tau_t1"]
             decoded[key] = {
                 "tau": _r(r["tau"]), "accept_per_position": _r(r["accept_per_position"]), "prompts": r["n_prompts"],
                 "verify_steps": r["verify_steps"], "verified_tokens": r["verified_tokens"], "temperature": r["temperature"],
                 "draft_sampling": r.get("draft_sampling"), "max_new_tokens": r["max_new_tokens"], "steps": r["steps"],
-                "predicted_tau_heldout": _r(pred_held), "predicted_tau_mtbench_proxy": _r(pred_proxy),
-                "gap_heldout": _r(pred_held / r["tau"] - 1), "gap_mtbench_proxy": _r(pred_proxy / r["tau"] - 1),
-                "proxy_accept_per_position": _r(px["acc"] if t == 0 else px["alpha"]),
-                "proxy_texts": px["n_samples"],
+                "predicted_tau_heldout": _r(pred_held), "gap_heldout": _r(pred_held / r["tau"] - 1),
             }
         arms[name] = {
             "flags": ARMS[name], "steps": s["steps"], "train_wall_s": _r(s["timing"]["wall_s"], 1) if s["timing"] else None,
@@ -190,14 +99,12 @@ def report(names: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["train", "eval", "proxy", "report"])
+    ap.add_argument("what", choices=["train", "eval", "report"])
     ap.add_argument("names", nargs="*", help=f"arms (of {', '.join(ARMS)}); report: default all that finished")
     a = ap.parse_args()
     if a.what in ("train", "eval"):
         for n in a.names:
             (train if a.what == "train" else evaluate)(n)
-    elif a.what == "proxy":
-        proxy()
     else:
         from arms import arm_dir
 

@@ -25,20 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from arms import _cli  # noqa: E402  (bench/arms.py: `eaglenest ARGV` in this process)
+
 VARIANTS = ("bf16", "fp8", "fp8-aux")
-
-
-def _model() -> str:
-    from eaglenest.models.fetch import fetch
-
-    return str(fetch("smollm2"))
-
-
-def _cli(argv: list[str]) -> None:
-    from eaglenest.cli import main
-
-    if main(argv) != 0:
-        raise SystemExit(f"`eaglenest {' '.join(argv)}` failed")
 
 
 def variants(args) -> None:

@@ -21,8 +21,8 @@ def render(results: dict[str, dict]) -> str:
     r = results["losses.json"]
     d = r["decode"]
     head = [
-        "| arm (`--loss`) | train wall | held-out accept T=0, per position | held-out α (T=1) | τ T=0: predicted held-out / MT proxy → "
-        "**decoded** | τ T=1: predicted held-out / MT proxy → **decoded** | decoded τ − `ce`'s (T=0 / T=1), 95 % interval over prompts |",
+        "| arm (`--loss`) | train wall | held-out accept T=0, per position | held-out α (T=1) | τ T=0: predicted by the held-out split → "
+        "**decoded** | τ T=1: predicted → **decoded** | decoded τ − `ce`'s (T=0 / T=1), 95 % interval over prompts |",
         "|---|---|---|---|---|---|---|",
     ]
     rows = []
@@ -30,12 +30,10 @@ def render(results: dict[str, dict]) -> str:
         h, t0, t1 = a["heldout"], a["decoded"]["t0"], a["decoded"]["t1"]
         rows.append(
             f"| {name} (`{' '.join(a['flags'][1:])}`) | {a['train_wall_s'] / 60:.1f} min | {_pos(h['acc'])} | {_pos(h['alpha'])} | "
-            f"{t0['predicted_tau_heldout']:.3f} / {t0['predicted_tau_mtbench_proxy']:.3f} → **{t0['tau']:.3f}** | "
-            f"{t1['predicted_tau_heldout']:.3f} / {t1['predicted_tau_mtbench_proxy']:.3f} → **{t1['tau']:.3f}** | "
+            f"{t0['predicted_tau_heldout']:.3f} → **{t0['tau']:.3f}** | {t1['predicted_tau_heldout']:.3f} → **{t1['tau']:.3f}** | "
             + (f"{_delta(a['delta_tau_vs_ce']['t0'])} / {_delta(a['delta_tau_vs_ce']['t1'])} |" if name != "l-ce" else "— |"))
     gaps = "; ".join(
-        f"{n}: held-out {_pct(a['decoded']['t0']['gap_heldout'])} / {_pct(a['decoded']['t1']['gap_heldout'])}, "
-        f"MT proxy {_pct(a['decoded']['t0']['gap_mtbench_proxy'])} / {_pct(a['decoded']['t1']['gap_mtbench_proxy'])}"
+        f"{n}: {_pct(a['decoded']['t0']['gap_heldout'])} / {_pct(a['decoded']['t1']['gap_heldout'])}"
         for n, a in r["arms"].items())
     ce = r["arms"]["l-ce"]["decoded"]
     return (
@@ -43,7 +41,7 @@ def render(results: dict[str, dict]) -> str:
         f"{d['prompts']} MT-bench first turns, {d['max_new_tokens']} new tokens, {d['steps']} steps, topk {d['topk']}, "
         f"{d['engine']}; at T=1 the draft's tokens are sampled and verified with min(1, p/q) "
         f"(`bench/results/losses.json`, `bench/losses.py`):\n\n" + "\n".join(head + rows) + "\n\n"
-        f"Predicted minus decoded τ, relative (T=0 / T=1): {gaps}. The `ce` arm's decodes: T=0 "
+        f"Predicted by the held-out split minus decoded τ, relative (T=0 / T=1): {gaps}. The `ce` arm's decodes: T=0 "
         f"{ce['t0']['verified_tokens']:,} tokens in {ce['t0']['verify_steps']:,} verification steps, T=1 "
         f"{ce['t1']['verified_tokens']:,} in {ce['t1']['verify_steps']:,}."
         + (f" Not run: {', '.join(r['arms_not_run'])}." if r["arms_not_run"] else "") + "\n")
