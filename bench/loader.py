@@ -1,6 +1,6 @@
 """Can the feature store feed the trainer as fast as the disk reads?  Seed-shaped synthetic store.
 
-    python bench/loader.py [--dtype bf16 fp8] [--gb 10] [--workers 1 2] [--dir DIR] [--batch-tokens 8192]
+    python bench/loader.py [--dtype bf16 fp8] [--gb 10] [--threads 1 2] [--dir DIR] [--batch-tokens 8192]
 
 Per store dtype, in one run:
   1. a synthetic store at the seed's shape (hidden 7168: aux [T, 3H] + final [T, H]; samples of
@@ -8,19 +8,14 @@ Per store dtype, in one run:
      shards (random values; fp8 stores hold the encoding of random bf16 states);
   2. the disk's raw sequential read bandwidth over the same shard files, with O_DIRECT (no page
      cache), before and after the loader runs;
-  3. for each --workers N, with torch's THP_MEM_ALLOC_ENABLE off (default) and on: the store's
-     pages evicted (posix_fadvise DONTNEED on its files: cold, without dropping anyone else's
-     cache), then, in a fresh process, the first --read-gb of an epoch of the trainer's
-     micro-batches (its own Schedule: length-bucketed batches in shuffled order, so a random part
-     of the store) read by N DataLoader worker processes through the
-     trainer's own collate (`read_batch` below: the one call to switch when the trainer's
-     prefetching data component lands) into pinned batches (pinned only where an accelerator
-     exists: torch cannot pin without one);
+  3. for each --threads N: the store's pages evicted (posix_fadvise DONTNEED on its files: cold,
+     without dropping anyone else's cache), then, in a fresh process, the first --read-gb of an
+     epoch of optimizer steps read the way `eaglenest train` reads them: its Schedule (length-bucketed
+     micro-batches in shuffled order, so a random part of the store), its StoreSource (collate and the
+     row plan of each micro-batch, pinned where an accelerator exists) behind its Prefetcher with
+     `--loader-threads N` (train/loader.py), the loop taking each step as soon as it is ready;
   4. the store is deleted (the disk is shared).
 Bytes are store bytes (what the disk must deliver): tokens x bytes_per_token(7168, dtype).
-THP: collate allocates a fresh [B, T, 4H] batch each time; on this VM first-touch page faults
-made a fresh 230 MB tensor ~8x slower to fill than an existing one, and torch's
-THP_MEM_ALLOC_ENABLE=1 (2 MB pages for its large CPU allocations, read at startup) removes most of it.
 Result: bench/results/loader_<dtype>.json.
 """
 
@@ -43,32 +38,6 @@ sys.path.insert(0, str(HERE.parent))
 import common  # noqa: E402  (bench/common.py)
 
 HIDDEN = 7168
-
-
-def read_batch(fs, idx: list[int]) -> dict:
-    """The trainer's data path for one micro-batch (train/data.py: collate), as a dict so the
-    DataLoader pins its tensors."""
-    from eaglenest.train.data import collate
-
-    b = collate(fs, idx)
-    return {"input_ids": b.input_ids, "loss_mask": b.loss_mask, "aux": b.aux, "last": b.last, "n_tokens": b.n_tokens}
-
-
-class MicroBatches:
-    """Dataset of micro-batches; each worker process opens the store itself."""
-
-    def __init__(self, root: Path, batches: list[list[int]]):
-        self.root, self.batches, self.fs = root, batches, None
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, k: int) -> dict:
-        from eaglenest.features import FeatureStore
-
-        if self.fs is None:
-            self.fs = FeatureStore(self.root)
-        return read_batch(self.fs, self.batches[k])
 
 
 def build_store(root: Path, dtype: str, gb: float, min_len: int, max_len: int, seed: int) -> tuple[int, int]:
@@ -137,38 +106,38 @@ def disk_read_mb_s(files: list[Path], limit_bytes: float, chunk: int = 8 << 20) 
     return {"mb_per_s": round(n / dt / 1e6, 1), "bytes": n, "seconds": round(dt, 2), "method": "O_DIRECT sequential, 8 MiB reads"}
 
 
-def run_loader(root: Path, workers: int, batch_tokens: int, seed: int, read_gb: float) -> dict:
+def run_loader(root: Path, threads: int, batch_tokens: int, seed: int, read_gb: float, ttt: int) -> dict:
+    """The trainer's data path over the first `read_gb` of epoch 0, in this (fresh) process."""
     import torch
 
     from eaglenest.features import FeatureStore
     from eaglenest.features.store import bytes_per_token
     from eaglenest.train.data import Schedule
+    from eaglenest.train.loader import Prefetcher, StoreSource
 
     fs = FeatureStore(root)
     lengths = fs.lengths()
     per_tok = bytes_per_token(HIDDEN, fs.meta.dtype)
-    batches, n = [], 0
-    for b in Schedule(lengths, list(range(len(fs))), batch_tokens, 1, seed, max(lengths)).epoch_order(0):
-        if n >= read_gb * 1e9:  # the first read_gb of the epoch: a random part of the whole store
+    schedule = Schedule(lengths, list(range(len(fs))), batch_tokens, 1, seed, max(lengths))
+    steps, n = 0, 0
+    for b in schedule.epoch_order(0):  # one micro-batch per step (grad_accum 1)
+        if n >= read_gb * 1e9:
             break
-        batches.append(b)
-        n += sum(lengths[i] for i in b) * per_tok
-    pin = torch.cuda.is_available()
-    dl = torch.utils.data.DataLoader(MicroBatches(root, batches), batch_size=None, shuffle=False, num_workers=workers,
-                                     pin_memory=pin, prefetch_factor=2 if workers else None)
-    tokens, n_batches, pinned_ok = 0, 0, True
+        steps, n = steps + 1, n + sum(lengths[i] for i in b) * per_tok
+    pin = torch.cuda.is_available()  # as the trainer: pinned only where an accelerator exists
+    tokens, pinned_ok = 0, True
     load0 = os.getloadavg()
     cpu0 = common.cpu_seconds()
     t0 = time.perf_counter()
-    for b in dl:
-        tokens += b["n_tokens"]
-        n_batches += 1
-        pinned_ok &= (not pin) or b["aux"].is_pinned()
+    with Prefetcher(StoreSource(fs, schedule, ttt, max(lengths), pin=pin), threads=threads, end=steps) as loader:
+        for s in range(steps):
+            d = loader.get(s)
+            tokens += d.n_tokens
+            pinned_ok &= (not pin) or all(b.aux.is_pinned() for b in d.batches)
     dt = time.perf_counter() - t0
-    del dl  # joins the workers, so their CPU time is counted below
     cpu = common.cpu_seconds() - cpu0
     gb = tokens * per_tok / 1e9
-    return {"workers": workers, "batches": n_batches, "tokens": tokens, "seconds": round(dt, 2),
+    return {"threads": threads, "steps": steps, "tokens": tokens, "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt, 1), "loader_mb_per_s": round(tokens * per_tok / dt / 1e6, 1),
             "cpu_s": round(cpu, 2), "cpu_s_per_gb": round(cpu / gb, 3),
             "pinned": pin and pinned_ok, "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
@@ -178,9 +147,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--gb", type=float, default=10.0, help="store size per dtype, GB")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the trainer's --loader-threads, one run each")
     ap.add_argument("--read-gb", type=float, default=3.0, help="GB each loader run reads (micro-batches in the epoch's shuffled order)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="trainer micro-batch tokens")
+    ap.add_argument("--ttt", type=int, default=7, help="TTT steps of the row plans the loader builds")
     ap.add_argument("--min-len", type=int, default=500)
     ap.add_argument("--max-len", type=int, default=8000)
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"), help="where the synthetic store is written (and deleted)")
@@ -193,7 +163,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if a.child:
-        print(json.dumps(run_loader(Path(a.child), a.workers[0], a.batch_tokens, a.seed, a.read_gb)))
+        print(json.dumps(run_loader(Path(a.child), a.threads[0], a.batch_tokens, a.seed, a.read_gb, a.ttt)))
         return
 
     from eaglenest.features.store import bytes_per_token
@@ -210,21 +180,18 @@ def main() -> None:
             store_bytes = sum(f.stat().st_size for f in files)
             disk = [disk_read_mb_s(files, store_bytes)]
             runs = []
-            for thp in ("0", "1"):
-                for w in a.workers:
-                    evict(root)
-                    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": thp, "OMP_NUM_THREADS": "1"}
-                    out = subprocess.run([sys.executable, __file__, "--child", str(root), "--workers", str(w), "--batch-tokens",
-                                          str(a.batch_tokens), "--seed", str(a.seed), "--read-gb", str(a.read_gb)], env=env, check=True, capture_output=True, text=True)
-                    runs.append({**json.loads(out.stdout.strip().splitlines()[-1]), "thp_mem_alloc": thp == "1"})
-                    print(f"{dtype} workers {w} THP {thp}: {runs[-1]['loader_mb_per_s']} MB/s, {runs[-1]['tokens_per_s']} tok/s",
-                          file=sys.stderr, flush=True)
+            for n in a.threads:
+                evict(root)
+                out = subprocess.run([sys.executable, __file__, "--child", str(root), "--threads", str(n), "--batch-tokens",
+                                      str(a.batch_tokens), "--seed", str(a.seed), "--read-gb", str(a.read_gb), "--ttt", str(a.ttt)],
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"{dtype} threads {n}: {runs[-1]['loader_mb_per_s']} MB/s, {runs[-1]['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
             disk.append(disk_read_mb_s(files, store_bytes))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         disk_mb = round(sum(d["mb_per_s"] for d in disk) / len(disk), 1)
         best = max(runs, key=lambda r: r["loader_mb_per_s"])
-        default = max((r for r in runs if not r["thp_mem_alloc"]), key=lambda r: r["loader_mb_per_s"])
         common.write_result(f"loader_{dtype}", {
             "kind": "loader",
             "hidden": HIDDEN,
@@ -232,20 +199,18 @@ def main() -> None:
             "bytes_per_token": bytes_per_token(HIDDEN, dtype),
             "store": {"samples": n_samples, "tokens": n_tokens, "bytes": store_bytes, "sample_tokens": [a.min_len, a.max_len],
                       "build_s": round(build_s, 1)},
-            "batch_tokens": a.batch_tokens,
+            "batch_tokens": a.batch_tokens, "ttt": a.ttt,
             "read_gb_per_run": a.read_gb,
             "disk_mb_per_s": disk_mb,
             "disk_runs": disk,
             "loader_mb_per_s": best["loader_mb_per_s"],
             "tokens_per_s": best["tokens_per_s"],
-            "workers": best["workers"],
-            "thp_mem_alloc": best["thp_mem_alloc"],
+            "threads": best["threads"],
             "ratio_to_disk": round(best["loader_mb_per_s"] / disk_mb, 3),
             # CPU time per GB is what the loader costs regardless of how busy the machine was:
             # cores needed to read at the disk's speed = disk GB/s x CPU seconds per GB
             "cpu_s_per_gb": best["cpu_s_per_gb"],
             "cores_to_match_disk": round(disk_mb / 1e3 * min(r["cpu_s_per_gb"] for r in runs), 2),
-            "default_env": {k: default[k] for k in ("loader_mb_per_s", "tokens_per_s", "workers")},
             "goal": ">= 0.8x the disk's raw sequential read bandwidth",
             "runs": runs,
             "shared_machine": "2 cores shared with other jobs (see loadavg per run): CPU-bound numbers are pessimistic",
