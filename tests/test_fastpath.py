@@ -117,9 +117,12 @@ def test_causal_block_mask_matches_create_block_mask():
 
 @pytest.mark.parametrize("impl", ["chunked", "sdpa"])
 @pytest.mark.parametrize("vd", [8, 5, 11])
-def test_fast_kernel_lse_gradient(impl, vd):
+@pytest.mark.parametrize("out_rows", ["all", "some"])
+def test_fast_kernel_lse_gradient(impl, vd, out_rows):
     """(out, lse) of the chunked and sdpa kernels, with a gradient through lse (the merge needs it;
-    torch's flash kernel takes none itself), values as wide as the keys or not (MLA)."""
+    torch's flash kernel takes none itself), values as wide as the keys or not (MLA).  `some`: query
+    rows whose output has no gradient while their lse has one (sdpa folds dlse into O where dO is
+    not 0, and takes a value column more where it is)."""
     torch.manual_seed(0)
     B, kv, g, T, hd = 2, 2, 3, 29, 8
     q = torch.randn(B, kv, g, T, hd, dtype=torch.float64, requires_grad=True)
@@ -132,8 +135,12 @@ def test_fast_kernel_lse_gradient(impl, vd):
         s = (q @ k.unsqueeze(2).transpose(-1, -2) * sc).masked_fill(~causal, float("-inf"))
         return torch.softmax(s, -1) @ v.unsqueeze(2), s.logsumexp(-1)
 
+    seen = torch.ones(T, 1, dtype=torch.float64)
+    if out_rows == "some":
+        seen[::3] = 0
+
     def f(out, lse):
-        return (out * torch.linspace(-1, 1, vd, dtype=torch.float64)).sum() + (lse * lse).sum()
+        return (out * torch.linspace(-1, 1, vd, dtype=torch.float64) * seen).sum() + (lse * lse).sum()
 
     gr = torch.autograd.grad(f(*ref()), (q, k, v))
     got = causal_attention_lse(q, k, v, sc, impl, chunk_elems=100)

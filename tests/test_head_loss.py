@@ -125,3 +125,38 @@ def test_bf16_head_within_bf16_rounding_of_fp64():
     torch.testing.assert_close(vb.double(), v64.detach(), rtol=2e-2, atol=0)
     for a, b in zip(gb, g64):
         assert (a.double() - b).norm() <= 0.03 * b.norm()
+
+
+def test_compiled_cpu_rows_equal_the_torch_path(monkeypatch):
+    """A CPU chunk of bf16 logits under `ce` with p^ cached (the demo's training step) and under hard
+    labels (DFlash) runs the compiled loss (losses._ce_rows, _hard_rows): its loss, the draft's argmax
+    (ties to the first maximum) and the gradients equal the eager torch path's up to fp32 summation
+    order and one bf16 rounding."""
+    from eaglenest.train import losses
+
+    h, W, teacher, rows, coef = problem(seed=9, R=96, V=300, Vd=160, H=32)
+    hb, Wb = (x.detach().to(torch.bfloat16) for x in (h, W))
+    zt = teacher.logits.round().to(torch.bfloat16)  # integer logits: ties inside a row
+    tb = TeacherRows(zt, teacher.argmax, probs_cache=torch.softmax(zt.float(), -1))
+    z = (torch.randn(96, 160, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2).round().to(torch.bfloat16)
+    labels = torch.randint(0, 160, (96,), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for mode in ("torch", "auto"):
+        monkeypatch.setenv("EAGLENEST_LOSS_KERNEL", mode)
+        hm, Wm = hb.clone().requires_grad_(), Wb.clone().requires_grad_()
+        v, per, arg, _, _ = head_loss(hm, Wm, SoftTarget(tb, rows), coef.float(), 32)
+        out[mode] = (v, per, arg, *torch.autograd.grad(v, (hm, Wm)))
+        out[mode] += losses.soft_rows(z.clone(), tb, rows, LossSpec(), torch.bfloat16, False)[:3]  # the rows alone: ties again
+        out[mode] += losses.hard_rows(z.clone(), labels, torch.bfloat16)
+    assert all(callable(losses._COMPILED.get(n)) for n in ("_ce_rows", "_hard_rows")), losses._COMPILED  # compiled, not after a failed build
+    t, a = out["torch"], out["auto"]
+    torch.testing.assert_close(a[0], t[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[1], t[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(a[2], t[2]) and torch.equal(a[7], t[7])
+    for x, y in zip(a[3:5], t[3:5]):
+        assert x.dtype == torch.bfloat16 and (x.double() - y.double()).norm() <= 1e-2 * y.double().norm()
+    torch.testing.assert_close(a[5], t[5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[6].float(), t[6].float(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(a[8], t[8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[9].float(), t[9].float(), rtol=2**-7, atol=1e-6)
+    assert torch.equal(a[10], t[10])

@@ -37,12 +37,18 @@ their minimum, the mask): ~16 c Vd bytes for ce/kl, ~26 c Vd for the alpha losse
 backward, the rows' and the head's gradients.  `chunk_rows` keeps c x Vd at LOSS_CHUNK_ELEMS, so a
 163,840-token vocabulary (Kimi-K2.5, no reduced draft vocabulary) runs 819-row chunks instead of
 4096.  The formula of the whole step is `loss_step_bytes`.
+
+Where the rows' work runs: on CUDA the Triton kernels (loss_kernels.py); on a CPU under bf16, `ce`
+with p^ cached and hard labels run torch.compile'd (`_ce_rows`, `_hard_rows`: one loop nest per
+chunk where the eager ops make ~10 passes over fp32 copies; built by inductor with the system's C++
+compiler, seconds once per machine); everything else on the eager torch path below.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -244,12 +250,67 @@ def _softmax_parts(z: torch.Tensor, ph: torch.Tensor | None):
     return e.mul_(s.reciprocal_()[:, None]), m.to(e.dtype) + logs, arg, None if dot is None else dot - logs
 
 
+def _ce_rows(z: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor):
+    """`ce` of bf16 logits z [c, Vd] against the p^ rows `rows` of the teacher's cache -> (loss [c] fp32,
+    dz = q - p^ in z's dtype, the draft's argmax [c]): soft_rows' arithmetic, written for torch.compile,
+    which makes it one loop nest reading z and the gathered p^ twice (the eager ops make ~10 passes
+    over fp32 [c, Vd] copies)."""
+    ph = cache.index_select(0, rows)
+    zf = z.float()
+    m, arg = zf.max(-1)
+    e = zf - m[:, None]
+    ex = e.exp()
+    s = ex.sum(-1)
+    return s.log() - (e * ph).sum(-1), (ex / s[:, None] - ph).to(z.dtype), arg
+
+
+def _hard_rows(z: torch.Tensor, labels: torch.Tensor):
+    """hard_rows' arithmetic for torch.compile (as _ce_rows): bf16 logits z [c, Vd], draft ids `labels` [c]
+    -> (loss [c] fp32, dz = softmax - onehot in z's dtype, the draft's argmax [c])."""
+    zf = z.float()
+    m, arg = zf.max(-1)
+    e = zf - m[:, None]
+    ex = e.exp()
+    s = ex.sum(-1)
+    hot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
+    return s.log() - e.gather(1, labels[:, None])[:, 0], (ex / s[:, None] - hot.float()).to(z.dtype), arg
+
+
+_COMPILED: dict = {}  # name -> the compiled function, or the error that stopped its compile (the torch path runs then)
+
+
+def _compiled_rows(name: str, z: torch.Tensor, grad_dtype, *args):
+    """The compiled rows function `name` (_ce_rows, _hard_rows) of (z, *args) where it applies: a CPU
+    training chunk of bf16 logits, not switched off (EAGLENEST_LOSS_KERNEL=torch).  None elsewhere, and
+    once its build failed (no C++ compiler, or inductor refused: said once), where the caller's eager
+    path gives the same numbers up to rounding."""
+    if not (z.device.type == "cpu" and z.dtype == torch.bfloat16 and grad_dtype == torch.bfloat16
+            and os.environ.get("EAGLENEST_LOSS_KERNEL", "auto") != "torch") or isinstance(_COMPILED.get(name), str):
+        return None
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = torch.compile(globals()[name], dynamic=True, fullgraph=True)
+    try:
+        return fn(z, *args)
+    except Exception as e:
+        _COMPILED[name] = f"{type(e).__name__}: {e}"
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"warning: the compiled loss did not build ({_COMPILED[name][:300]}); the eager torch path runs", file=sys.stderr)
+        return None
+
+
 def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: LossSpec, grad_dtype: torch.dtype | None,
               want_alpha: bool):
     """Soft-label losses of draft logits z [c, Vd] (consumed) against teacher rows `rows` [c] -> (loss [c] (the mix,
     per row, >= fp32), dz [c, Vd] = d loss_i / dz_i in `grad_dtype` (None: not computed), the draft's
     argmax [c], alpha [c] or None, p(draft argmax) [c] or None).  The gradient is written out (module
     docstring): autograd would keep four [c, Vd] tensors per row chunk."""
+    cache = teacher.probs_cache
+    if spec.terms == (("ce", 1.0),) and not want_alpha and cache is not None and cache.dtype == torch.float32:
+        r = _compiled_rows("_ce_rows", z, grad_dtype, cache, rows)  # the demo's training step
+        if r is not None:
+            return (*r, None, None)
     acc = torch.promote_types(z.dtype, torch.float32)
     ph = teacher.probs(rows).to(acc)
     need_alpha = spec.needs_alpha or want_alpha
@@ -314,6 +375,9 @@ def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: L
 def hard_rows(z: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype | None):
     """Hard-label cross-entropy of logits z [c, Vd] (consumed) against draft ids `labels` [c] -> (loss [c] >= fp32,
     dz = softmax - onehot in `grad_dtype` or None, the draft's argmax [c])."""
+    r = _compiled_rows("_hard_rows", z, grad_dtype, labels)
+    if r is not None:
+        return r
     zl = z.gather(1, labels[:, None])[:, 0]
     q, lse, arg, _ = _softmax_parts(z, None)
     loss = lse - zl.to(lse.dtype)
