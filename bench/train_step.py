@@ -14,6 +14,9 @@
    instructions) on 400 ShareGPT conversations of <= 512 tokens; `long` = the same on conversations
    of <= 2,048 tokens in 2,048-token batches at TTT 7.  The features are prepared and captured once
    (by the --base tree) into --cache.  Results: bench/results/train_step_ab_<recipe>_<cpu kind>.json.
+   The losses compare only arms that train on the same samples with the same schedule: --new is the
+   base plus the change measured (the branches ab/40-s*), not a later main, whose held-out split goes
+   by prompt (47c2414) and whose warm-up is cut differently (2e5b0dc): its step-0 loss already differs.
 
    Where the time goes: `profile` (same flags) runs each arm once more, --skip warm-up steps then 5
    steps under torch.profiler: CPU time per op category per step and the GEMMs' GFLOP/s
