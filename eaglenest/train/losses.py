@@ -250,48 +250,51 @@ def _softmax_parts(z: torch.Tensor, ph: torch.Tensor | None):
     return e.mul_(s.reciprocal_()[:, None]), m.to(e.dtype) + logs, arg, None if dot is None else dot - logs
 
 
+def _rows_softmax(z: torch.Tensor):
+    """The softmax pieces both compiled rows functions share: (z - max in fp32, its exp, their row sums,
+    the argmax) of bf16 logits z [c, Vd]."""
+    zf = z.float()
+    m, arg = zf.max(-1)
+    e = zf - m[:, None]
+    ex = e.exp()
+    return e, ex, ex.sum(-1), arg
+
+
 def _ce_rows(z: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor):
     """`ce` of bf16 logits z [c, Vd] against the p^ rows `rows` of the teacher's cache -> (loss [c] fp32,
     dz = q - p^ in z's dtype, the draft's argmax [c]): soft_rows' arithmetic, written for torch.compile,
     which makes it one loop nest reading z and the gathered p^ twice (the eager ops make ~10 passes
     over fp32 [c, Vd] copies)."""
     ph = cache.index_select(0, rows)
-    zf = z.float()
-    m, arg = zf.max(-1)
-    e = zf - m[:, None]
-    ex = e.exp()
-    s = ex.sum(-1)
+    e, ex, s, arg = _rows_softmax(z)
     return s.log() - (e * ph).sum(-1), (ex / s[:, None] - ph).to(z.dtype), arg
 
 
 def _hard_rows(z: torch.Tensor, labels: torch.Tensor):
     """hard_rows' arithmetic for torch.compile (as _ce_rows): bf16 logits z [c, Vd], draft ids `labels` [c]
     -> (loss [c] fp32, dz = softmax - onehot in z's dtype, the draft's argmax [c])."""
-    zf = z.float()
-    m, arg = zf.max(-1)
-    e = zf - m[:, None]
-    ex = e.exp()
-    s = ex.sum(-1)
+    e, ex, s, arg = _rows_softmax(z)
     hot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
     return s.log() - e.gather(1, labels[:, None])[:, 0], (ex / s[:, None] - hot.float()).to(z.dtype), arg
 
 
-_COMPILED: dict = {}  # name -> the compiled function, or the error that stopped its compile (the torch path runs then)
+_COMPILED: dict = {}  # a rows function's name -> its compiled form, or the error that stopped its compile (the torch path runs then)
 
 
-def _compiled_rows(name: str, z: torch.Tensor, grad_dtype, *args):
-    """The compiled rows function `name` (_ce_rows, _hard_rows) of (z, *args) where it applies: a CPU
-    training chunk of bf16 logits, not switched off (EAGLENEST_LOSS_KERNEL=torch).  None elsewhere, and
-    once its build failed (no C++ compiler, or inductor refused: said once), where the caller's eager
-    path gives the same numbers up to rounding."""
+def _compiled_rows(fn, z: torch.Tensor, grad_dtype, *args):
+    """fn(z, *args) compiled (fn: _ce_rows or _hard_rows) where it applies: a CPU training chunk of bf16
+    logits, not switched off (EAGLENEST_LOSS_KERNEL=torch).  None elsewhere, and once its build failed
+    (no C++ compiler, or inductor refused: said once), where the caller's eager path gives the same
+    numbers up to rounding."""
+    name = fn.__name__
     if not (z.device.type == "cpu" and z.dtype == torch.bfloat16 and grad_dtype == torch.bfloat16
             and os.environ.get("EAGLENEST_LOSS_KERNEL", "auto") != "torch") or isinstance(_COMPILED.get(name), str):
         return None
-    fn = _COMPILED.get(name)
-    if fn is None:
-        fn = _COMPILED[name] = torch.compile(globals()[name], dynamic=True, fullgraph=True)
+    compiled = _COMPILED.get(name)
+    if compiled is None:
+        compiled = _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
     try:
-        return fn(z, *args)
+        return compiled(z, *args)
     except Exception as e:
         _COMPILED[name] = f"{type(e).__name__}: {e}"
         from tqdm.auto import tqdm
@@ -308,7 +311,7 @@ def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: L
     docstring): autograd would keep four [c, Vd] tensors per row chunk."""
     cache = teacher.probs_cache
     if spec.terms == (("ce", 1.0),) and not want_alpha and cache is not None and cache.dtype == torch.float32:
-        r = _compiled_rows("_ce_rows", z, grad_dtype, cache, rows)  # the demo's training step
+        r = _compiled_rows(_ce_rows, z, grad_dtype, cache, rows)  # the demo's training step
         if r is not None:
             return (*r, None, None)
     acc = torch.promote_types(z.dtype, torch.float32)
@@ -375,7 +378,7 @@ def soft_rows(z: torch.Tensor, teacher: TeacherRows, rows: torch.Tensor, spec: L
 def hard_rows(z: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype | None):
     """Hard-label cross-entropy of logits z [c, Vd] (consumed) against draft ids `labels` [c] -> (loss [c] >= fp32,
     dz = softmax - onehot in `grad_dtype` or None, the draft's argmax [c])."""
-    r = _compiled_rows("_hard_rows", z, grad_dtype, labels)
+    r = _compiled_rows(_hard_rows, z, grad_dtype, labels)
     if r is not None:
         return r
     zl = z.gather(1, labels[:, None])[:, 0]
